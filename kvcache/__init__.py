@@ -1,0 +1,27 @@
+"""kvcache: KV caching for decoder-only language models, exact where it claims to be."""
+
+from .cache import KVCache, LayerCache, make_cache, policies
+from .checkpoint import Tokenizer, load, load_tokenizer
+from .config import ModelConfig, RopeConfig
+from .errors import CapacityError, CheckpointError, KVCacheError
+from .generate import generate
+from .model import Transformer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CapacityError",
+    "CheckpointError",
+    "KVCache",
+    "KVCacheError",
+    "LayerCache",
+    "ModelConfig",
+    "RopeConfig",
+    "Tokenizer",
+    "Transformer",
+    "generate",
+    "load",
+    "load_tokenizer",
+    "make_cache",
+    "policies",
+]

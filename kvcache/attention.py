@@ -1,0 +1,83 @@
+"""Attention kernels. Nothing here allocates a T x T mask or repeats grouped K/V heads.
+
+Shapes used throughout:
+    B batch, Hq query heads, Hkv key/value heads, G = Hq // Hkv, T query tokens, S key slots, D head_dim.
+
+Two paths:
+    ``causal``  equal query/key spans (no cache, or the first chunk into an empty cache): fused SDPA with
+                ``is_causal=True``, which needs no mask tensor at all.
+    ``masked``  queries against keys whose positions are data (a filled cache): the mask is derived
+                from positions for at most ``QUERY_BLOCK`` queries at a time, so extra memory is
+                O(min(T, QUERY_BLOCK) x S). Grouped heads are folded into the query axis instead of
+                repeating K/V: (B, Hq, T, D) -> (B, Hkv, G*T, D).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Largest number of queries whose (query x key) mask and scores are materialised at once.
+QUERY_BLOCK = 1024
+
+
+def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """Causal self-attention over one span.
+
+    q: (B, Hq, T, D); k, v: (B, Hkv, T, D) -> (B, Hq, T, D). ``window`` limits each query to the
+    ``window`` most recent keys (itself included), as model-level sliding-window attention does.
+    """
+    T = q.shape[2]
+    if window is not None and T > window:
+        pos = torch.arange(T, device=q.device).expand(q.shape[0], T)
+        return masked(q, k, v, pos, pos.unsqueeze(1), window=window)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def visibility(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Which keys each query may see.
+
+    q_pos: (B, T) absolute query positions; k_pos: (B, Hp, S) key positions, -1 for an empty slot
+    (Hp is 1 when all heads share slots, else Hkv). Returns (B, Hp, T, S) bool: the key slot is
+    filled, not in the future, and (with a window) not further back than ``window - 1``.
+    """
+    kp = k_pos.unsqueeze(2)
+    qp = q_pos[:, None, :, None]
+    mask = (kp >= 0) & (kp <= qp)
+    if window is not None:
+        mask &= kp > qp - window
+    return mask
+
+
+def masked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    *,
+    window: int | None = None,
+    all_visible: bool = False,
+) -> torch.Tensor:
+    """Attention of queries at ``q_pos`` over key slots at ``k_pos`` (see ``visibility``).
+
+    q: (B, Hq, T, D); k, v: (B, Hkv, S, D); q_pos: (B, T); k_pos: (B, Hp, S) -> (B, Hq, T, D).
+    ``all_visible`` promises every key is visible to every query (a decode step over a dense,
+    uniformly filled cache), which skips building the mask.
+    """
+    B, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    out = torch.empty_like(q)
+    for start in range(0, T, QUERY_BLOCK):
+        stop = min(start + QUERY_BLOCK, T)
+        n = stop - start
+        # Fold the G query heads that share a K/V head into the query axis: (B, Hkv, G*n, D).
+        qb = q[:, :, start:stop].reshape(B, Hkv, G * n, D)
+        mask = None
+        if not all_visible:
+            vis = visibility(q_pos[:, start:stop], k_pos, window)  # (B, Hp, n, S)
+            mask = vis.unsqueeze(2).expand(-1, -1, G, -1, -1).reshape(B, vis.shape[1], G * n, -1)
+        ob = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask)
+        out[:, :, start:stop] = ob.view(B, Hq, n, D)
+    return out

@@ -1,0 +1,191 @@
+"""The KV-cache contract: a per-layer cache that owns attention, and a per-model container.
+
+Contract (one call site): each attention layer calls ``layer_cache.attend(q, k, v, step)`` with
+    q: (B, Hq, T, D) queries, already rotated at their absolute positions,
+    k: (B, Hkv, T, D) keys, rotated at their absolute positions,
+    v: (B, Hkv, T, D) values,
+and gets (B, Hq, T, D) attention outputs back. The layer cache decides where the new keys go,
+which old keys stay, and how attention over what it keeps is computed.
+
+Keys are stored post-RoPE together with their absolute positions (per batch row, and per K/V head
+for policies that evict per head). A policy that renumbers positions rotates a stored key once,
+from its stored position to the assigned one, never re-rotating a key it rotated before.
+
+The container (``KVCache``) tracks how many tokens each row has seen. ``begin`` validates a chunk
+and computes, once per model call, everything the layers share (``Step``); ``commit`` advances
+the row lengths after the last layer. All checks happen in ``begin``, before any layer writes,
+so a rejected chunk leaves the cache as it was.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import CapacityError
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """Geometry shared by every layer of a cache."""
+
+    batch_size: int
+    num_kv_heads: int
+    head_dim: int
+    cache_length: int
+    dtype: torch.dtype
+    device: torch.device
+    # The model's own sliding-window attention (Mistral), applied on top of any policy.
+    window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.batch_size <= 0:
+            raise ValueError(f"batch_size must be positive, got {self.batch_size}")
+        if self.cache_length <= 0:
+            raise ValueError(f"cache_length must be positive, got {self.cache_length}")
+
+
+@dataclass(frozen=True)
+class Step:
+    """One model call's chunk, as every layer sees it.
+
+    positions:  (B, T) long, device. Absolute position of each token; padding continues the count.
+    valid:      (B, T) bool, device. False for right padding (stored nowhere, attended by no one).
+    append_slot:(B, T) long, device. ``start + t`` for real tokens and the scratch slot
+                ``cache_length`` for padding: where an append-only policy writes each token.
+    last_index: (B,) long, device. Index in the chunk of each row's last real token (0 if none).
+    start:      (B,) long, CPU. Tokens each row had seen before this chunk.
+    n_tokens:   (B,) long, CPU. Real tokens per row in this chunk.
+    fresh:      every row starts empty, so queries and keys span the same tokens.
+    uniform:    every row has the same start and no padding, so writes can be plain slices.
+    """
+
+    positions: torch.Tensor
+    valid: torch.Tensor
+    append_slot: torch.Tensor
+    last_index: torch.Tensor
+    start: torch.Tensor
+    n_tokens: torch.Tensor
+    fresh: bool
+    uniform: bool
+
+    @property
+    def num_tokens(self) -> int:
+        """T, the chunk length including padding."""
+        return self.positions.shape[1]
+
+    @property
+    def start0(self) -> int:
+        """Start of row 0 (the start of every row when ``uniform``)."""
+        return int(self.start[0])
+
+
+class LayerCache(ABC):
+    """The cache of one attention layer."""
+
+    def __init__(self, spec: CacheSpec) -> None:
+        self.spec = spec
+
+    @abstractmethod
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
+        """Store the chunk's keys and values and return attention outputs (see module docstring)."""
+
+    def check(self, step: Step) -> None:
+        """Raise ``CapacityError`` if ``step`` cannot be accepted. Must not change any state."""
+
+    @abstractmethod
+    def reset(self) -> None:
+        """Forget every token."""
+
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes held by this layer's buffers."""
+
+
+class KVCache:
+    """The cache of a whole model: one ``LayerCache`` per layer plus each row's token count."""
+
+    def __init__(self, layers: list[LayerCache], spec: CacheSpec, policy: str) -> None:
+        self.layers = layers
+        self.spec = spec
+        self.policy = policy
+        # Tokens seen per row. Kept on the CPU: it drives Python-side decisions (capacity checks,
+        # slicing) without a device synchronisation.
+        self.lengths = torch.zeros(spec.batch_size, dtype=torch.long)
+
+    @property
+    def batch_size(self) -> int:
+        return self.spec.batch_size
+
+    @property
+    def cache_length(self) -> int:
+        return self.spec.cache_length
+
+    def begin(self, input_ids: torch.Tensor, n_tokens: torch.Tensor | list[int] | None) -> Step:
+        """Validate the chunk ``input_ids`` (B, T) and describe it for the layers."""
+        B, T = input_ids.shape
+        if B != self.batch_size:
+            raise ValueError(
+                f"input_ids has batch size {B} but the cache was made for batch_size={self.batch_size}"
+            )
+        if input_ids.device != self.spec.device:
+            raise ValueError(f"input_ids is on {input_ids.device} but the cache is on {self.spec.device}")
+        if n_tokens is None:
+            n = torch.full((B,), T, dtype=torch.long)
+        else:
+            n = torch.as_tensor(n_tokens, dtype=torch.long).cpu()
+            if n.shape != (B,):
+                raise ValueError(f"n_tokens must have shape ({B},), got {tuple(n.shape)}")
+            if bool((n < 0).any()) or bool((n > T).any()):
+                raise ValueError(f"n_tokens must lie in [0, {T}], got {n.tolist()}")
+        start = self.lengths.clone()
+        uniform = bool((n == T).all()) and bool((start == start[0]).all())
+        fresh = bool((start == 0).all())
+        dev = self.spec.device
+        t = torch.arange(T)
+        positions = start[:, None] + t
+        valid = t < n[:, None]
+        append_slot = torch.where(valid, positions, torch.full_like(positions, self.cache_length))
+        step = Step(
+            positions=positions.to(dev),
+            valid=valid.to(dev),
+            append_slot=append_slot.to(dev),
+            last_index=(n - 1).clamp(min=0).to(dev),
+            start=start,
+            n_tokens=n,
+            fresh=fresh,
+            uniform=uniform,
+        )
+        for layer in self.layers:
+            layer.check(step)
+        return step
+
+    def commit(self, step: Step) -> None:
+        """Advance each row by the chunk's real tokens (called after the last layer)."""
+        self.lengths += step.n_tokens
+
+    def reset(self) -> None:
+        self.lengths.zero_()
+        for layer in self.layers:
+            layer.reset()
+
+    def nbytes(self) -> int:
+        """Bytes held by all layers' buffers (keys, values, positions and any scores)."""
+        return sum(layer.nbytes() for layer in self.layers)
+
+    def __repr__(self) -> str:
+        return (
+            f"KVCache(policy={self.policy!r}, layers={len(self.layers)}, batch_size={self.batch_size}, "
+            f"cache_length={self.cache_length}, lengths={self.lengths.tolist()}, nbytes={self.nbytes()})"
+        )
+
+
+def capacity_error(step: Step, capacity: int, policy: str) -> CapacityError:
+    need = step.start + step.n_tokens
+    row = int(need.argmax())
+    return CapacityError(
+        f"{policy} cache is full: row {row} would hold {int(need[row])} tokens but cache_length is "
+        f"{capacity}. Make the cache with a larger cache_length, or use an evicting policy."
+    )

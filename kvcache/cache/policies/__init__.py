@@ -1,0 +1,1 @@
+"""Cache policies: one file each."""

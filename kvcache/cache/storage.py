@@ -1,0 +1,51 @@
+"""Slot buffers: where a layer cache keeps the bits of the tokens its policy decided to keep.
+
+Every buffer has ``cache_length + 1`` slots. The last one is a scratch slot that absorbs the
+writes of padding tokens, so a ragged chunk is written with one index operation and no
+data-dependent shapes; attention never reads it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import CacheSpec
+
+
+class FullStorage:
+    """Keys and values at the model's precision, with the absolute position of each slot.
+
+    k, v: (B, Hkv, C + 1, D); pos: (B, Hp, C + 1) long, -1 for an empty slot, where Hp is 1 when
+    all K/V heads of a row share slots and Hkv when a policy places tokens per head.
+    """
+
+    def __init__(self, spec: CacheSpec, per_head: bool = False) -> None:
+        B, H, C, D = spec.batch_size, spec.num_kv_heads, spec.cache_length, spec.head_dim
+        self.k = torch.zeros(B, H, C + 1, D, dtype=spec.dtype, device=spec.device)
+        self.v = torch.zeros_like(self.k)
+        self.pos = torch.full((B, H if per_head else 1, C + 1), -1, dtype=torch.long, device=spec.device)
+
+    def write_slice(self, start: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """Write k, v: (B, Hkv, T, D) at slots [start, start + T) of every row; positions: (B, T)."""
+        stop = start + k.shape[2]
+        self.k[:, :, start:stop] = k
+        self.v[:, :, start:stop] = v
+        self.pos[:, :, start:stop] = positions.unsqueeze(1)
+
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """Write token t of row b to slot ``slots[b, t]`` (shared by heads); positions: (B, T)."""
+        B, H, T, D = k.shape
+        index = slots[:, None, :, None].expand(B, H, T, D)
+        self.k.scatter_(2, index, k)
+        self.v.scatter_(2, index, v)
+        self.pos.scatter_(2, slots.unsqueeze(1).expand(B, self.pos.shape[1], T), positions.unsqueeze(1).expand(B, self.pos.shape[1], T))
+
+    def view(self, span: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The first ``span`` slots: k, v (B, Hkv, span, D) and pos (B, Hp, span)."""
+        return self.k[:, :, :span], self.v[:, :, :span], self.pos[:, :, :span]
+
+    def reset(self) -> None:
+        self.pos.fill_(-1)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.pos))

@@ -1,0 +1,178 @@
+"""The transformer: embedding, pre-norm blocks with grouped-query attention and a gated MLP, head.
+
+No cache logic lives here. With a cache, each attention layer hands its rotated queries and keys
+and its values to its layer of the cache and gets the attention output back; without one it calls
+the fused causal kernel directly. Module names follow the Hugging Face layout (minus the leading
+``model.``), so checkpoints load without a renaming table.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import attention
+from .cache.base import KVCache, LayerCache, Step
+from .config import ModelConfig
+from .rope import apply_rope, inverse_frequencies, rope_angles
+
+# Called at the start of every block with (layer index, hidden states (B, T, hidden_size)); a
+# returned tensor of the same shape replaces the block's input, None leaves it unchanged.
+LayerHook = Callable[[int, torch.Tensor], "torch.Tensor | None"]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and scale after casting back, as the reference implementations do.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        D = cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * D, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * D, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * D, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * D, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        layer_cache: LayerCache | None,
+        step: Step | None,
+    ) -> torch.Tensor:
+        """x: (B, T, hidden); cos, sin: (B or 1, T, D) -> (B, T, hidden)."""
+        B, T, _ = x.shape
+        D = self.cfg.head_dim
+        q = self.q_proj(x).view(B, T, -1, D)
+        k = self.k_proj(x).view(B, T, -1, D)
+        v = self.v_proj(x).view(B, T, -1, D)
+        if self.cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+        # (B, T, H, D) -> (B, H, T, D)
+        q = apply_rope(q, cos, sin).transpose(1, 2)
+        k = apply_rope(k, cos, sin).transpose(1, 2)
+        v = v.transpose(1, 2)
+        if layer_cache is None:
+            out = attention.causal(q, k, v, window=self.cfg.sliding_window)
+        else:
+            out = layer_cache.attend(q, k, v, step)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, layer_cache: LayerCache | None, step: Step | None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer_cache, step)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    """A decoder-only language model.
+
+    ``model(ids)`` is the plain causal forward of ``ids`` (B, T) from position 0. ``model(ids,
+    cache=cache)`` processes the next chunk of every row: the cache knows how many tokens each row
+    has seen, so callers never pass positions.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("inv_freq", inverse_frequencies(cfg.rope, cfg.head_dim), persistent=False)
+        self.layer_hook: LayerHook | None = None
+
+    def reset_rope(self) -> None:
+        """Recompute the rotary frequencies (after the model was built on the meta device)."""
+        self.inv_freq = inverse_frequencies(self.config.rope, self.config.head_dim).to(
+            self.embed_tokens.weight.device
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        cache: KVCache | None = None,
+        *,
+        n_tokens: torch.Tensor | list[int] | None = None,
+        last_only: bool = False,
+        skip_lm_head: bool = False,
+    ) -> torch.Tensor:
+        """Run a chunk.
+
+        input_ids: (B, T) long. With a cache, ``n_tokens`` (B,) says how many leading tokens of each
+        row are real (the rest is right padding, neither stored nor attended); default all T.
+        Returns logits (B, T, vocab), or (B, 1, vocab) at each row's last real token with
+        ``last_only``; ``skip_lm_head`` returns the final normed hidden states (B, T or 1, hidden).
+        """
+        if input_ids.dim() != 2 or input_ids.dtype not in (torch.long, torch.int32, torch.int64):
+            raise ValueError(
+                f"input_ids must be a (batch, tokens) integer tensor, got shape {tuple(input_ids.shape)} "
+                f"and dtype {input_ids.dtype}"
+            )
+        B, T = input_ids.shape
+        if T == 0:
+            raise ValueError("input_ids has no tokens (shape (batch, 0))")
+        if cache is None:
+            if n_tokens is not None:
+                raise ValueError("n_tokens (ragged chunks) needs a cache; without one every row has T tokens")
+            step = None
+            positions = torch.arange(T, device=input_ids.device).unsqueeze(0)  # (1, T)
+            last = torch.full((B,), T - 1, device=input_ids.device)
+        else:
+            step = cache.begin(input_ids, n_tokens)
+            positions = step.positions  # (B, T)
+            last = step.last_index
+        cos, sin = rope_angles(self.inv_freq, positions, self.embed_tokens.weight.dtype)
+        x = self.embed_tokens(input_ids)
+        for i, block in enumerate(self.layers):
+            if self.layer_hook is not None:
+                replaced = self.layer_hook(i, x)
+                if replaced is not None:
+                    x = replaced
+            x = block(x, cos, sin, None if cache is None else cache.layers[i], step)
+        if cache is not None:
+            cache.commit(step)
+        if last_only:
+            x = x[torch.arange(B, device=x.device), last].unsqueeze(1)
+        x = self.norm(x)
+        return x if skip_lm_head else self.lm_head(x)

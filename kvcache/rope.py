@@ -1,0 +1,57 @@
+"""Rotary position embeddings (RoPE) and their frequency-scaling variants.
+
+Keys are rotated once, at their absolute position, before they enter the cache. Rotations compose
+(R(a) R(b) = R(a + b)), so a policy that renumbers positions can move a stored key from position p
+to position p' with a single rotation by p' - p, computed from the stored position rather than by
+accumulating rotations on already-rotated keys.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import RopeConfig
+
+
+def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """(head_dim // 2,) float32 angular frequencies, scaled as ``rope.rope_type`` prescribes."""
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        return _llama3_scale(inv_freq, rope)
+    return inv_freq
+
+
+def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    # Long wavelengths are slowed down by `factor`, short ones kept, and the band between is
+    # interpolated smoothly (Llama 3.1 recipe).
+    old_len = rope.original_max_position_embeddings
+    low_wavelen = old_len / rope.low_freq_factor
+    high_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_angles(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin for ``positions`` (any shape P), each of shape (*P, head_dim), in ``dtype``.
+
+    Angles are computed in float32 whatever ``dtype`` is, so low-precision models do not lose
+    phase accuracy at large positions.
+    """
+    freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (..., head_dim) by angles broadcastable to it (the half-split pairing of HF Llama)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
