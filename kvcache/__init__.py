@@ -1,6 +1,6 @@
 """kvcache: KV caching for decoder-only language models, exact where it claims to be."""
 
-from .cache import KVCache, LayerCache, make_cache, policies
+from .cache import KVCache, LayerCache, make_cache, policies, policy_options
 from .checkpoint import Tokenizer, load, load_tokenizer
 from .config import ModelConfig, RopeConfig
 from .errors import CapacityError, CheckpointError, KVCacheError
@@ -24,4 +24,5 @@ __all__ = [
     "load_tokenizer",
     "make_cache",
     "policies",
+    "policy_options",
 ]

@@ -34,18 +34,20 @@ def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def visibility(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+def visibility(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, sinks: int = 0) -> torch.Tensor:
     """Which keys each query may see.
 
     q_pos: (B, T) absolute query positions; k_pos: (B, Hp, S) key positions, -1 for an empty slot
     (Hp is 1 when all heads share slots, else Hkv). Returns (B, Hp, T, S) bool: the key slot is
-    filled, not in the future, and (with a window) not further back than ``window - 1``.
+    filled, not in the future, and (with a window) not further back than ``window - 1``, except
+    that the first ``sinks`` positions stay visible whatever the window.
     """
     kp = k_pos.unsqueeze(2)
     qp = q_pos[:, None, :, None]
     mask = (kp >= 0) & (kp <= qp)
     if window is not None:
-        mask &= kp > qp - window
+        recent = kp > qp - window
+        mask &= (recent | (kp < sinks)) if sinks else recent
     return mask
 
 
@@ -57,6 +59,7 @@ def masked(
     k_pos: torch.Tensor,
     *,
     window: int | None = None,
+    sinks: int = 0,
     all_visible: bool = False,
 ) -> torch.Tensor:
     """Attention of queries at ``q_pos`` over key slots at ``k_pos`` (see ``visibility``).
@@ -76,8 +79,61 @@ def masked(
         qb = q[:, :, start:stop].reshape(B, Hkv, G * n, D)
         mask = None
         if not all_visible:
-            vis = visibility(q_pos[:, start:stop], k_pos, window)  # (B, Hp, n, S)
+            vis = visibility(q_pos[:, start:stop], k_pos, window, sinks)  # (B, Hp, n, S)
             mask = vis.unsqueeze(2).expand(-1, -1, G, -1, -1).reshape(B, vis.shape[1], G * n, -1)
         ob = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask)
         out[:, :, start:stop] = ob.view(B, Hq, n, D)
     return out
+
+
+def masked_with_weights(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    q_weight: torch.Tensor,
+    *,
+    window: int | None = None,
+    sinks: int = 0,
+    q_sink: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``masked`` attention that also reports how much attention each key received.
+
+    q_weight: (B, T) float weight of each query in the totals (0 for padding or for queries a
+    policy does not listen to). Returns
+        out:   (B, Hq, T, D) attention outputs,
+        mass:  (B, Hkv, S) float32, sum over queries t and the G heads of a group of
+               q_weight[t] * softmax weight(t -> s),
+        seen:  (B, Hp, S) float32, sum over queries of q_weight[t] * [s visible to t].
+    ``q_sink`` (B, Hq, T, D), if given, replaces q when scoring keys at positions < ``sinks``:
+    queries rotated to renumbered positions (attention sinks, see ``cache.policies.sink``).
+    The softmax weights exist only for ``QUERY_BLOCK`` queries at a time.
+    """
+    B, Hq, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    scale = D**-0.5
+    out = torch.empty_like(q)
+    mass = torch.zeros(B, Hkv, S, dtype=torch.float32, device=q.device)
+    seen = torch.zeros(B, k_pos.shape[1], S, dtype=torch.float32, device=q.device)
+    kt = k.transpose(-1, -2)
+    for start in range(0, T, QUERY_BLOCK):
+        stop = min(start + QUERY_BLOCK, T)
+        n = stop - start
+        vis = visibility(q_pos[:, start:stop], k_pos, window, sinks)  # (B, Hp, n, S)
+        scores = q[:, :, start:stop].reshape(B, Hkv, G * n, D) @ kt  # (B, Hkv, G*n, S)
+        if q_sink is not None:
+            sink_scores = q_sink[:, :, start:stop].reshape(B, Hkv, G * n, D) @ kt
+            scores = torch.where((k_pos < sinks).unsqueeze(2), sink_scores, scores)
+        scores = scores.view(B, Hkv, G, n, S).float() * scale
+        # A large finite fill (not -inf) keeps rows with no visible key (padding) free of NaN.
+        scores = scores.masked_fill(~vis.unsqueeze(2), torch.finfo(torch.float32).min)
+        weights = scores.softmax(-1)
+        weights = weights * vis.unsqueeze(2)
+        ob = weights.to(v.dtype).view(B, Hkv, G * n, S) @ v
+        out[:, :, start:stop] = ob.view(B, Hq, n, D)
+        qw = q_weight[:, start:stop].float()
+        mass += torch.einsum("bhgts,bt->bhs", weights, qw)
+        seen += torch.einsum("bhts,bt->bhs", vis.float(), qw)
+    return out, mass, seen

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -69,7 +69,8 @@ def generate(
     *,
     max_new_tokens: int,
     policy: str = "dense",
-    cache_length: int | None = None,
+    cache_length: int | float | None = None,
+    policy_options: Mapping[str, object] | None = None,
     cache: KVCache | None = None,
     temperature: float = 0.0,
     top_k: int | None = None,
@@ -87,8 +88,9 @@ def generate(
     produces a stop token ends there, the stop token included. ``stop_tokens`` defaults to the
     model's ``eos_token_id``; pass ``()`` to generate exactly ``max_new_tokens``.
 
-    The cache is made with ``policy`` and ``cache_length`` (default: longest prompt plus
-    ``max_new_tokens``), or passed ready-made as ``cache`` (it is reset first). Prompts are
+    The cache is made with ``policy``, its ``policy_options`` and ``cache_length`` (default:
+    longest prompt plus ``max_new_tokens``; a float in (0, 1) is a fraction of the longest
+    prompt), or passed ready-made as ``cache`` (it is reset first). Prompts are
     prefilled ``prefill_chunk`` tokens at a time (default: all at once).
     """
     single = isinstance(prompts, torch.Tensor) and prompts.dim() == 1 or (
@@ -108,7 +110,14 @@ def generate(
     lengths = [len(p) for p in rows]
     longest = max(lengths)
     if cache is None:
-        cache = make_cache(model, policy, cache_length=cache_length or longest + max_new_tokens, batch_size=B)
+        cache = make_cache(
+            model,
+            policy,
+            cache_length=cache_length or longest + max_new_tokens,
+            batch_size=B,
+            prompt_length=longest,
+            **(policy_options or {}),
+        )
     elif cache.batch_size != B:
         raise ValueError(f"the cache was made for batch_size={cache.batch_size}, but there are {B} prompts")
     cache.reset()

@@ -39,6 +39,8 @@ class CacheSpec:
     device: torch.device
     # The model's own sliding-window attention (Mistral), applied on top of any policy.
     window: int | None = None
+    # (D // 2,) rotary frequencies, for policies that renumber positions.
+    inv_freq: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.batch_size <= 0:
@@ -56,6 +58,7 @@ class Step:
     append_slot:(B, T) long, device. ``start + t`` for real tokens and the scratch slot
                 ``cache_length`` for padding: where an append-only policy writes each token.
     last_index: (B,) long, device. Index in the chunk of each row's last real token (0 if none).
+    newest:     (B,) long, device. Position of each row's newest token after the chunk (-1 if none).
     start:      (B,) long, CPU. Tokens each row had seen before this chunk.
     n_tokens:   (B,) long, CPU. Real tokens per row in this chunk.
     fresh:      every row starts empty, so queries and keys span the same tokens.
@@ -66,6 +69,7 @@ class Step:
     valid: torch.Tensor
     append_slot: torch.Tensor
     last_index: torch.Tensor
+    newest: torch.Tensor
     start: torch.Tensor
     n_tokens: torch.Tensor
     fresh: bool
@@ -85,8 +89,9 @@ class Step:
 class LayerCache(ABC):
     """The cache of one attention layer."""
 
-    def __init__(self, spec: CacheSpec) -> None:
+    def __init__(self, spec: CacheSpec, options: object = None) -> None:
         self.spec = spec
+        self.options = options
 
     @abstractmethod
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
@@ -153,6 +158,7 @@ class KVCache:
             valid=valid.to(dev),
             append_slot=append_slot.to(dev),
             last_index=(n - 1).clamp(min=0).to(dev),
+            newest=(start + n - 1).to(dev),
             start=start,
             n_tokens=n,
             fresh=fresh,

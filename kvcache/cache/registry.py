@@ -1,13 +1,26 @@
-"""Policy names -> layer cache classes, and ``make_cache``."""
+"""Policy names -> layer cache classes, typed options, per-layer budgets, and ``make_cache``."""
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
 
 import torch
 
 from .base import CacheSpec, KVCache, LayerCache
+from .evicting import NoOptions
 from .policies.dense import DenseCache
+from .policies.h2o import H2OCache
+from .policies.sink import SinkCache
+from .policies.snapkv import SnapKVCache
+from .policies.tova import TOVACache
+from .policies.window import WindowCache
 
 _POLICIES: dict[str, type[LayerCache]] = {}
+
+ALLOCATIONS = ("uniform", "pyramid")
+# PyramidKV's top layer keeps cache_length / PYRAMID_BETA tokens; the bottom layer what is left.
+PYRAMID_BETA = 20
 
 
 def register(cls: type[LayerCache]) -> type[LayerCache]:
@@ -18,7 +31,8 @@ def register(cls: type[LayerCache]) -> type[LayerCache]:
     return cls
 
 
-register(DenseCache)
+for _cls in (DenseCache, WindowCache, SinkCache, H2OCache, TOVACache, SnapKVCache):
+    register(_cls)
 
 
 def policies() -> dict[str, str]:
@@ -26,29 +40,90 @@ def policies() -> dict[str, str]:
     return {name: cls.description for name, cls in sorted(_POLICIES.items())}
 
 
+def policy_options(policy: str) -> dict[str, object]:
+    """Options of ``policy`` with their defaults."""
+    options_cls = getattr(_lookup(policy), "Options", NoOptions)
+    return {f.name: f.default for f in dataclasses.fields(options_cls)}
+
+
+def _lookup(policy: str) -> type[LayerCache]:
+    if policy not in _POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; available: {', '.join(sorted(_POLICIES))}")
+    return _POLICIES[policy]
+
+
+def _options(cls: type[LayerCache], options: dict[str, object]):
+    options_cls = getattr(cls, "Options", NoOptions)
+    valid = [f.name for f in dataclasses.fields(options_cls)]
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise ValueError(
+            f"policy {cls.name!r} has no option {', '.join(map(repr, unknown))}; "
+            f"valid options: {', '.join(valid) or 'none'}"
+        )
+    return options_cls(**options)
+
+
+def layer_budgets(cache_length: int, num_layers: int, allocation: str | Sequence[int]) -> list[int]:
+    """Tokens per layer: the same everywhere, a PyramidKV pyramid with mean ``cache_length``
+    (more in lower layers, where attention is broad), or an explicit list."""
+    if not isinstance(allocation, str):
+        budgets = [int(b) for b in allocation]
+        if len(budgets) != num_layers or min(budgets) <= 0:
+            raise ValueError(f"layer budgets must be {num_layers} positive integers, got {budgets}")
+        return budgets
+    if allocation == "uniform":
+        return [cache_length] * num_layers
+    if allocation == "pyramid":
+        if num_layers == 1:
+            return [cache_length]
+        top = max(1, cache_length // PYRAMID_BETA)
+        bottom = 2 * cache_length - top
+        return [round(bottom - (bottom - top) * i / (num_layers - 1)) for i in range(num_layers)]
+    raise ValueError(f"unknown layer allocation {allocation!r}; use one of {', '.join(ALLOCATIONS)} or a list")
+
+
 def make_cache(
     model: torch.nn.Module,
     policy: str = "dense",
     *,
-    cache_length: int,
+    cache_length: int | float,
     batch_size: int = 1,
+    prompt_length: int | None = None,
+    allocation: str | Sequence[int] = "uniform",
+    **options: object,
 ) -> KVCache:
     """A cache for ``model`` holding up to ``cache_length`` tokens per row for ``batch_size`` rows.
 
-    Buffers are allocated here, once, in the model's dtype and on its device.
+    ``cache_length`` is a token count, or a fraction in (0, 1) of ``prompt_length``.
+    ``allocation`` spreads the budget over layers ("uniform", "pyramid", or one count per layer).
+    ``options`` are the policy's own (see ``policy_options``). Buffers are allocated here, once,
+    in the model's dtype and on its device.
     """
-    if policy not in _POLICIES:
-        raise ValueError(f"unknown policy {policy!r}; available: {', '.join(sorted(_POLICIES))}")
+    cls = _lookup(policy)
+    opts = _options(cls, options)
+    if isinstance(cache_length, float):
+        if not 0 < cache_length < 1 or prompt_length is None:
+            raise ValueError(
+                "a fractional cache_length must lie in (0, 1) and needs prompt_length "
+                f"(got cache_length={cache_length}, prompt_length={prompt_length})"
+            )
+        cache_length = max(1, round(cache_length * prompt_length))
     cfg = model.config
     weight = model.embed_tokens.weight
-    spec = CacheSpec(
-        batch_size=batch_size,
-        num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim,
-        cache_length=cache_length,
-        dtype=weight.dtype,
-        device=weight.device,
-        window=cfg.sliding_window,
-    )
-    cls = _POLICIES[policy]
-    return KVCache([cls(spec) for _ in range(cfg.num_layers)], spec, policy)
+    budgets = layer_budgets(cache_length, cfg.num_layers, allocation)
+    layers = []
+    for budget in budgets:
+        spec = CacheSpec(
+            batch_size=batch_size,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            cache_length=budget,
+            dtype=weight.dtype,
+            device=weight.device,
+            window=cfg.sliding_window,
+            inv_freq=model.inv_freq,
+        )
+        layers.append(cls(spec, opts))
+    nominal = dataclasses.replace(layers[0].spec, cache_length=cache_length)
+    return KVCache(layers, nominal, policy)

@@ -40,6 +40,24 @@ class FullStorage:
         self.v.scatter_(2, index, v)
         self.pos.scatter_(2, slots.unsqueeze(1).expand(B, self.pos.shape[1], T), positions.unsqueeze(1).expand(B, self.pos.shape[1], T))
 
+    def move(self, src: int, dst: torch.Tensor) -> None:
+        """Copy slot ``src`` of every row and head to slot ``dst`` (B, Hp, 1), then empty ``src``."""
+        B, H, _, D = self.k.shape
+        index = dst.expand(B, H, 1).unsqueeze(-1).expand(B, H, 1, D)
+        for buf in (self.k, self.v):
+            buf.scatter_(2, index, buf[:, :, src : src + 1].clone())
+        self.pos.scatter_(2, dst, self.pos[:, :, src : src + 1].clone())
+        self.pos[:, :, src] = -1
+
+    def keep(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, index: torch.Tensor) -> None:
+        """Fill slots [0, C) with candidates ``index`` (B, Hp, C) picked from k, v (B, Hkv, N, D), pos (B, Hp, N)."""
+        B, H, _, D = k.shape
+        C = index.shape[-1]
+        gather = index.expand(B, H, C).unsqueeze(-1).expand(B, H, C, D)
+        self.k[:, :, :C] = k.gather(2, gather)
+        self.v[:, :, :C] = v.gather(2, gather)
+        self.pos[:, :, :C] = pos.gather(2, index)
+
     def view(self, span: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The first ``span`` slots: k, v (B, Hkv, span, D) and pos (B, Hp, span)."""
         return self.k[:, :, :span], self.v[:, :, :span], self.pos[:, :, :span]

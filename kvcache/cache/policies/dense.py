@@ -15,8 +15,8 @@ class DenseCache(LayerCache):
     name = "dense"
     description = "keep every token (exact; fails when cache_length is exceeded)"
 
-    def __init__(self, spec: CacheSpec) -> None:
-        super().__init__(spec)
+    def __init__(self, spec: CacheSpec, options: object = None) -> None:
+        super().__init__(spec, options)
         self.storage = FullStorage(spec)
 
     def check(self, step: Step) -> None:

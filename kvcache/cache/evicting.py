@@ -1,0 +1,165 @@
+"""The machinery shared by bounded caches: attend over what is kept plus the new chunk, then keep
+the ``cache_length`` candidates with the highest priority.
+
+A policy is a subclass that says three things:
+    ``window``/``sinks``  which candidates a query may see (beyond causality),
+    ``observe``           what to remember from the attention the cache computed anyway (optional),
+    ``priority``          (B, Hp, N) float per candidate; the top ``cache_length`` stay.
+Hp is 1 when all K/V heads of a row keep the same tokens (``per_head = False``) and Hkv when each
+head keeps its own. Empty candidates (position -1) must get the lowest priority.
+
+Two paths, with the same semantics:
+    decode  one token per row and no padding: the new token goes to the scratch slot
+            ``cache_length``, attention runs over all ``cache_length + 1`` slots (a fixed shape),
+            and the scratch slot is then moved over the lowest-priority slot. No copy of the cache.
+    chunk   anything else: candidates are the kept slots followed by the chunk (N = C + T);
+            the top C are gathered back into the buffers.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from dataclasses import dataclass, fields
+
+import torch
+
+from .. import attention
+from .base import CacheSpec, LayerCache, Step
+from .storage import FullStorage
+
+# Added to a priority to make a candidate outrank every scored one (sinks, the recent window).
+PROTECTED = 1e30
+EMPTY = float("-inf")
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """A policy without options."""
+
+
+class EvictingCache(LayerCache):
+    """A bounded layer cache that evicts by priority (see module docstring)."""
+
+    name: str
+    description: str
+    Options: type = NoOptions
+    per_head: bool = False
+    # Names of per-slot float32 statistics (B, Hp, C + 1) carried along with the keys.
+    stats: tuple[str, ...] = ()
+    # Whether ``observe`` needs attention mass; if not, attention uses the fused kernel.
+    needs_attention: bool = False
+
+    def __init__(self, spec: CacheSpec, options) -> None:
+        super().__init__(spec, options)
+        self.storage = FullStorage(spec, per_head=self.per_head)
+        Hp = self.storage.pos.shape[1]
+        self.stat = {
+            name: torch.zeros(spec.batch_size, Hp, spec.cache_length + 1, device=spec.device)
+            for name in self.stats
+        }
+
+    # ----- what a policy defines -------------------------------------------------------------
+    def window(self) -> int | None:
+        """Furthest a query looks back (None: no limit besides the model's own window)."""
+        return None
+
+    def sinks(self) -> int:
+        """Positions below this stay visible whatever ``window`` says."""
+        return 0
+
+    def query_weight(self, step: Step) -> torch.Tensor:
+        """(B, T) weight of each query in the attention mass that ``observe`` receives."""
+        return step.valid.float()
+
+    def observe(self, stat: dict[str, torch.Tensor], mass: torch.Tensor, seen: torch.Tensor,
+                pos: torch.Tensor, values: torch.Tensor, step: Step) -> None:
+        """Update per-candidate statistics in place.
+
+        mass: (B, Hkv, N) attention received; seen, pos: (B, Hp, N); values: (B, Hkv, N, D).
+        """
+
+    @abstractmethod
+    def priority(self, stat: dict[str, torch.Tensor], pos: torch.Tensor, step: Step) -> torch.Tensor:
+        """(B, Hp, N) priority of each candidate at positions ``pos`` (B, Hp, N); -inf if empty."""
+
+    # ----- shared machinery ------------------------------------------------------------------
+    def _window(self) -> int | None:
+        model, own = self.spec.window, self.window()
+        if model is None or own is None:
+            return own if model is None else model
+        return min(model, own)
+
+    def _attend(self, q, k, v, q_pos, k_pos, step: Step, q_sink=None):
+        """Attention over candidates; returns out and, if the policy observes, mass and seen."""
+        window, sinks = self._window(), self.sinks()
+        if not self.needs_attention and q_sink is None:
+            return attention.masked(q, k, v, q_pos, k_pos, window=window, sinks=sinks), None, None
+        return attention.masked_with_weights(
+            q, k, v, q_pos, k_pos, self.query_weight(step), window=window, sinks=sinks, q_sink=q_sink
+        )
+
+    def _renumbered_queries(self, q: torch.Tensor, step: Step) -> torch.Tensor | None:
+        """Queries as seen by sink keys when positions are renumbered (see the sink policy)."""
+        return None
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
+        if step.num_tokens == 1 and bool((step.n_tokens == 1).all()):
+            return self._decode(q, k, v, step)
+        return self._chunk(q, k, v, step)
+
+    def _decode(self, q, k, v, step: Step) -> torch.Tensor:
+        C = self.spec.cache_length
+        store = self.storage
+        store.write_slice(C, k, v, step.positions)
+        for s in self.stat.values():
+            s[:, :, C] = 0.0
+        ks, vs, pos = store.view(C + 1)
+        out, mass, seen = self._attend(q, ks, vs, step.positions, pos, step, self._renumbered_queries(q, step))
+        stat = {name: s for name, s in self.stat.items()}
+        if mass is not None:
+            self.observe(stat, mass, seen, pos, vs, step)
+        victim = self.priority(stat, pos, step).argmin(-1, keepdim=True)  # (B, Hp, 1)
+        store.move(C, victim)
+        for s in self.stat.values():
+            s.scatter_(2, victim, s[:, :, C : C + 1].clone())
+        return out
+
+    def _chunk(self, q, k, v, step: Step) -> torch.Tensor:
+        C = self.spec.cache_length
+        store = self.storage
+        Hp = store.pos.shape[1]
+        ks, vs, pos = store.view(C)
+        new_pos = torch.where(step.valid, step.positions, -1).unsqueeze(1).expand(-1, Hp, -1)
+        cand_k = torch.cat((ks, k), dim=2)
+        cand_v = torch.cat((vs, v), dim=2)
+        cand_pos = torch.cat((pos, new_pos), dim=2)
+        stat = {
+            name: torch.cat((s[:, :, :C], s.new_zeros(s.shape[0], Hp, k.shape[2])), dim=2)
+            for name, s in self.stat.items()
+        }
+        out, mass, seen = self._attend(q, cand_k, cand_v, step.positions, cand_pos, step,
+                                       self._renumbered_queries(q, step))
+        if mass is not None:
+            self.observe(stat, mass, seen, cand_pos, cand_v, step)
+        keep = self.priority(stat, cand_pos, step).topk(C, dim=-1).indices  # (B, Hp, C)
+        store.keep(cand_k, cand_v, cand_pos, keep)
+        for name, s in self.stat.items():
+            s[:, :, :C] = stat[name].gather(2, keep)
+        return out
+
+    def reset(self) -> None:
+        self.storage.reset()
+        for s in self.stat.values():
+            s.zero_()
+
+    def nbytes(self) -> int:
+        return self.storage.nbytes() + sum(s.numel() * s.element_size() for s in self.stat.values())
+
+
+def option_names(options_cls: type) -> list[str]:
+    return [f.name for f in fields(options_cls)]
+
+
+def newest(step: Step) -> torch.Tensor:
+    """(B, 1, 1) position of each row's newest token after this step, to broadcast over (B, Hp, N)."""
+    return step.newest[:, None, None]

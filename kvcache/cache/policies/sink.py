@@ -1,0 +1,84 @@
+"""sink (StreamingLLM): the first ``sinks`` tokens plus the most recent ones.
+
+Position modes:
+    absolute    every key keeps the phase of its true position; a query at position p sees the
+                sinks at distance p - s, which grows without bound.
+    renumbered  positions are assigned within the cache, as in the paper: the sinks keep 0..S-1
+                and the recent keys follow contiguously, so no distance exceeds ``cache_length``.
+
+Renumbering is exact and rotates nothing in the cache. Keys are stored rotated at their true
+positions. Once a row has seen more than ``cache_length`` tokens, a query at p is assigned
+p - shift with shift = p - (cache_length - 1), and so are the recent keys (p' - shift); their
+relative distance, which is all RoPE scores depend on, is unchanged, so they are scored as
+stored. Only the distance to a sink changes (from p - s to p - shift - s), which equals scoring
+the sink, stored at s, with the query rotated once to p - shift. That query rotation is done
+from the query's true position each step, never accumulated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...rope import apply_rope, rope_angles
+from ..base import CacheSpec, Step
+from ..evicting import EMPTY, PROTECTED, EvictingCache
+
+MODES = ("absolute", "renumbered")
+
+
+@dataclass(frozen=True)
+class SinkOptions:
+    sinks: int = 4
+    positions: str = "renumbered"
+
+    def __post_init__(self) -> None:
+        if self.sinks < 0:
+            raise ValueError(f"sinks must be >= 0, got {self.sinks}")
+        if self.positions not in MODES:
+            raise ValueError(f"positions must be one of {', '.join(MODES)}, got {self.positions!r}")
+
+
+class SinkCache(EvictingCache):
+    name = "sink"
+    description = "StreamingLLM: first `sinks` tokens + most recent (positions absolute or renumbered)"
+    Options = SinkOptions
+
+    def __init__(self, spec: CacheSpec, options: SinkOptions) -> None:
+        if options.sinks >= spec.cache_length:
+            raise ValueError(
+                f"sinks ({options.sinks}) must be smaller than cache_length ({spec.cache_length})"
+            )
+        if options.positions == "renumbered" and spec.inv_freq is None:
+            raise ValueError("renumbered sink positions need the model's rotary frequencies (spec.inv_freq)")
+        super().__init__(spec, options)
+
+    def window(self) -> int | None:
+        return self.spec.cache_length - self.options.sinks
+
+    def sinks(self) -> int:
+        return self.options.sinks
+
+    def shift(self, q_pos: torch.Tensor) -> torch.Tensor:
+        """How far renumbering moves a query at q_pos (B, T) (and every recent key) back."""
+        return (q_pos - (self.spec.cache_length - 1)).clamp(min=0)
+
+    def assigned_positions(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions the attention uses: query (B, T) and key (B, 1, T, S) for keys at k_pos (B, 1, S)."""
+        if self.options.positions == "absolute":
+            return q_pos, k_pos.unsqueeze(2).expand(-1, -1, q_pos.shape[1], -1)
+        shift = self.shift(q_pos)[:, None, :, None]
+        kp = k_pos.unsqueeze(2)
+        return q_pos - self.shift(q_pos), torch.where(kp < self.options.sinks, kp, kp - shift)
+
+    def _renumbered_queries(self, q: torch.Tensor, step: Step) -> torch.Tensor | None:
+        if self.options.positions == "absolute" or self.options.sinks == 0:
+            return None
+        # q: (B, Hq, T, D) rotated at p; rotate by -shift to p - shift for scoring sinks.
+        cos, sin = rope_angles(self.spec.inv_freq, -self.shift(step.positions), q.dtype)
+        return apply_rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
+
+    def priority(self, stat, pos: torch.Tensor, step: Step) -> torch.Tensor:
+        prio = pos.float() + PROTECTED * (pos < self.options.sinks)
+        return torch.where(pos >= 0, prio, EMPTY)

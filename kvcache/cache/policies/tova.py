@@ -1,0 +1,36 @@
+"""tova (Token Omission Via Attention): evict the token the newest query attends least.
+
+A token's score is the attention the newest query of its row gives it, averaged over all query
+heads; scores are replaced, not accumulated, at every step. All heads keep the same tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..base import Step
+from ..evicting import EMPTY, EvictingCache
+
+
+def newest_query(step: Step) -> torch.Tensor:
+    """(B, T) one-hot weight on each row's last real token of the chunk."""
+    t = torch.arange(step.num_tokens, device=step.valid.device)
+    return ((t == step.last_index[:, None]) & step.valid).float()
+
+
+class TOVACache(EvictingCache):
+    name = "tova"
+    description = "TOVA: evict the token the newest query attends least (mean over heads)"
+    stats = ("score",)
+    needs_attention = True
+
+    def query_weight(self, step: Step) -> torch.Tensor:
+        return newest_query(step)
+
+    def observe(self, stat, mass, seen, pos, values, step: Step) -> None:
+        # mass sums the G query heads of each K/V head; the mean over K/V heads is then G times
+        # the mean over query heads, the same ranking.
+        stat["score"].copy_(mass.mean(1, keepdim=True))
+
+    def priority(self, stat, pos: torch.Tensor, step: Step) -> torch.Tensor:
+        return torch.where(pos >= 0, stat["score"], EMPTY)

@@ -1,0 +1,23 @@
+"""window: the most recent ``cache_length`` tokens (a sliding window over a ring of slots).
+
+Each query sees exactly the ``cache_length`` newest positions up to its own, however the
+sequence is chunked, so a chunked prefill gives the same result as token-by-token decoding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..base import Step
+from ..evicting import EMPTY, EvictingCache
+
+
+class WindowCache(EvictingCache):
+    name = "window"
+    description = "the most recent cache_length tokens (sliding window)"
+
+    def window(self) -> int | None:
+        return self.spec.cache_length
+
+    def priority(self, stat, pos: torch.Tensor, step: Step) -> torch.Tensor:
+        return torch.where(pos >= 0, pos.float(), EMPTY)
