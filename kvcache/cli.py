@@ -10,7 +10,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from . import generate, load, load_tokenizer, make_cache, policies
+from . import generate, load, load_tokenizer, make_cache, policies, policy_options
 from .errors import KVCacheError
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -61,6 +61,35 @@ def _device(value: str) -> torch.device:
     return device
 
 
+def _budget(value: str) -> int | float:
+    number = float(value)
+    if number.is_integer() and number >= 1:
+        return int(number)
+    if 0 < number < 1:
+        return number
+    raise argparse.ArgumentTypeError(f"expected a token count >= 1 or a fraction in (0, 1), got {value}")
+
+
+def _add_policy_options(parser: argparse.ArgumentParser) -> None:
+    """One flag per policy option (``--recent 32``); which policy accepts which is checked by make_cache."""
+    group = parser.add_argument_group("policy options (see `kvcache policies`)")
+    seen: dict[str, list[str]] = {}
+    defaults: dict[str, object] = {}
+    for name in policies():
+        for option, default in policy_options(name).items():
+            seen.setdefault(option, []).append(name)
+            defaults[option] = default
+    for option, owners in sorted(seen.items()):
+        default = defaults[option]
+        flag = "--" + option.replace("_", "-")
+        # default=None marks an option the user did not give, so only given ones reach the policy.
+        kwargs = {"dest": f"opt_{option}", "default": None, "help": f"({', '.join(owners)})"}
+        if isinstance(default, bool):
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
+        else:
+            group.add_argument(flag, type=type(default), metavar=type(default).__name__.upper(), **kwargs)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcache", description="KV caching for decoder-only language models.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -69,7 +98,15 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt", help="prompt text, or - to read it from stdin")
     gen.add_argument("--model", metavar="DIR", help="Hugging Face-format checkpoint directory (default: bundled)")
     gen.add_argument("--policy", default="dense", help="cache policy (see `kvcache policies`; default: dense)")
-    gen.add_argument("--cache-length", type=int, metavar="N", help="cache slots (default: prompt + new tokens)")
+    gen.add_argument(
+        "--cache-length", type=_budget, metavar="N",
+        help="cache slots per layer, or a fraction of the prompt such as 0.25 (default: prompt + new tokens)",
+    )
+    gen.add_argument(
+        "--allocation", default="uniform", choices=("uniform", "pyramid"),
+        help="how the budget is spread over layers (default: uniform)",
+    )
+    _add_policy_options(gen)
     gen.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="default: 128")
     gen.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 is greedy (default)")
     gen.add_argument("--top-k", type=int, metavar="K")
@@ -106,8 +143,12 @@ def _generate(args: argparse.Namespace) -> None:
     model = load(args.model, dtype=DTYPES.get(args.dtype), device=args.device)
     ids = tokenizer.encode(prompt)
     cache_length = len(ids) + args.max_new_tokens if args.cache_length is None else args.cache_length
+    options = {k[4:]: v for k, v in vars(args).items() if k.startswith("opt_") and v is not None}
     # Built here rather than inside generate() so its memory can be reported afterwards.
-    cache = make_cache(model, args.policy, cache_length=cache_length)
+    cache = make_cache(
+        model, args.policy, cache_length=cache_length, prompt_length=len(ids),
+        allocation=args.allocation, **options,
+    )
 
     # The tokenizer may name an end-of-text token the model config does not; stop at either.
     eos = model.config.eos_token_id
@@ -165,6 +206,9 @@ def _policies() -> None:
     width = max(map(len, table))
     for name, description in table.items():
         print(f"{name:<{width}}  {description}")
+        options = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in policy_options(name).items())
+        if options:
+            print(f"{'':<{width}}  options: {options}")
 
 
 def main(argv: list[str] | None = None) -> int:
