@@ -1,6 +1,6 @@
 """kvcache: KV caching for decoder-only language models, exact where it claims to be."""
 
-from .cache import KVCache, LayerCache, make_cache, policies, policy_options
+from .cache import KVCache, LayerCache, adaptive_head_budgets, make_cache, policies, policy_options
 from .checkpoint import Tokenizer, load, load_tokenizer
 from .config import ModelConfig, RopeConfig
 from .errors import CapacityError, CheckpointError, KVCacheError
@@ -19,6 +19,7 @@ __all__ = [
     "RopeConfig",
     "Tokenizer",
     "Transformer",
+    "adaptive_head_budgets",
     "generate",
     "load",
     "load_tokenizer",

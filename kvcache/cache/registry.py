@@ -9,6 +9,7 @@ import torch
 
 from .base import CacheSpec, KVCache, LayerCache
 from .evicting import NoOptions
+from .headwise import HeadwiseCache
 from .policies.dense import DenseCache
 from .policies.h2o import H2OCache
 from .policies.sink import SinkCache
@@ -91,12 +92,15 @@ def make_cache(
     batch_size: int = 1,
     prompt_length: int | None = None,
     allocation: str | Sequence[int] = "uniform",
+    head_budgets: Sequence[Sequence[int]] | None = None,
     **options: object,
 ) -> KVCache:
     """A cache for ``model`` holding up to ``cache_length`` tokens per row for ``batch_size`` rows.
 
     ``cache_length`` is a token count, or a fraction in (0, 1) of ``prompt_length``.
     ``allocation`` spreads the budget over layers ("uniform", "pyramid", or one count per layer).
+    ``head_budgets[layer][head]`` instead gives every K/V head its own capacity (see
+    ``adaptive_head_budgets``); each head is then allocated at its own size.
     ``options`` are the policy's own (see ``policy_options``). Buffers are allocated here, once,
     in the model's dtype and on its device.
     """
@@ -112,8 +116,13 @@ def make_cache(
     cfg = model.config
     weight = model.embed_tokens.weight
     budgets = layer_budgets(cache_length, cfg.num_layers, allocation)
-    layers = []
-    for budget in budgets:
+    if head_budgets is not None:
+        head_budgets = [[int(b) for b in layer] for layer in head_budgets]
+        if len(head_budgets) != cfg.num_layers:
+            raise ValueError(f"head_budgets needs one list per layer ({cfg.num_layers}), got {len(head_budgets)}")
+        budgets = [max(1, round(sum(layer) / cfg.num_kv_heads)) for layer in head_budgets]
+    layers: list[LayerCache] = []
+    for i, budget in enumerate(budgets):
         spec = CacheSpec(
             batch_size=batch_size,
             num_kv_heads=cfg.num_kv_heads,
@@ -124,6 +133,9 @@ def make_cache(
             window=cfg.sliding_window,
             inv_freq=model.inv_freq,
         )
-        layers.append(cls(spec, opts))
+        if head_budgets is None:
+            layers.append(cls(spec, opts))
+        else:
+            layers.append(HeadwiseCache(spec, cls, opts, head_budgets[i]))
     nominal = dataclasses.replace(layers[0].spec, cache_length=cache_length)
     return KVCache(layers, nominal, policy)
