@@ -137,3 +137,35 @@ def masked_with_weights(
         mass += torch.einsum("bhgts,bt->bhs", weights, qw)
         seen += torch.einsum("bhts,bt->bhs", vis.float(), qw)
     return out, mass, seen
+
+
+def decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    visible: torch.Tensor | None,
+    *,
+    q_sink: torch.Tensor | None = None,
+    sink_slots: int = 0,
+    want_mass: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One query per row against S key slots, with explicit softmax weights.
+
+    q: (B, Hq, 1, D); k, v: (B, Hkv, S, D); visible: (B, Hp, S) bool or None (all visible).
+    ``q_sink`` (B, Hq, 1, D), if given, scores the first ``sink_slots`` slots instead of q
+    (renumbered attention sinks). Returns out (B, Hq, 1, D) and, with ``want_mass``, the
+    attention each slot received summed over the G query heads of its group: (B, Hkv, S) float32.
+    """
+    B, Hq, _, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    qh = q.reshape(B, Hkv, G, D)
+    scores = qh @ k.transpose(-1, -2)  # (B, Hkv, G, S)
+    if q_sink is not None and sink_slots:
+        scores[..., :sink_slots] = q_sink.reshape(B, Hkv, G, D) @ k[:, :, :sink_slots].transpose(-1, -2)
+    scores = scores.float() * D**-0.5
+    if visible is not None:
+        scores = scores.masked_fill(~visible.unsqueeze(2), float("-inf"))
+    weights = scores.softmax(-1)
+    out = (weights.to(v.dtype) @ v).view(B, Hq, 1, D)
+    return out, weights.sum(2) if want_mass else None

@@ -98,7 +98,7 @@ class EvictingCache(LayerCache):
             q, k, v, q_pos, k_pos, self.query_weight(step), window=window, sinks=sinks, q_sink=q_sink
         )
 
-    def _renumbered_queries(self, q: torch.Tensor, step: Step) -> torch.Tensor | None:
+    def _sink_queries(self, q: torch.Tensor, step: Step) -> torch.Tensor | None:
         """Queries as seen by sink keys when positions are renumbered (see the sink policy)."""
         return None
 
@@ -114,11 +114,11 @@ class EvictingCache(LayerCache):
         for s in self.stat.values():
             s[:, :, C] = 0.0
         ks, vs, pos = store.view(C + 1)
-        out, mass, seen = self._attend(q, ks, vs, step.positions, pos, step, self._renumbered_queries(q, step))
-        stat = {name: s for name, s in self.stat.items()}
+        visible = attention.visibility(step.positions, pos, self._window(), self.sinks())[:, :, 0]
+        out, mass = attention.decode(q, ks, vs, visible, want_mass=self.needs_attention)
         if mass is not None:
-            self.observe(stat, mass, seen, pos, vs, step)
-        victim = self.priority(stat, pos, step).argmin(-1, keepdim=True)  # (B, Hp, 1)
+            self.observe(self.stat, mass, visible.float(), pos, vs, step)
+        victim = self.priority(self.stat, pos, step).argmin(-1, keepdim=True)  # (B, Hp, 1)
         store.move(C, victim)
         for s in self.stat.values():
             s.scatter_(2, victim, s[:, :, C : C + 1].clone())
@@ -138,14 +138,19 @@ class EvictingCache(LayerCache):
             for name, s in self.stat.items()
         }
         out, mass, seen = self._attend(q, cand_k, cand_v, step.positions, cand_pos, step,
-                                       self._renumbered_queries(q, step))
+                                       self._sink_queries(q, step))
         if mass is not None:
             self.observe(stat, mass, seen, cand_pos, cand_v, step)
+        self._keep(cand_k, cand_v, cand_pos, stat, step)
+        return out
+
+    def _keep(self, cand_k, cand_v, cand_pos, stat, step: Step) -> None:
+        """Gather the top-priority ``cache_length`` candidates back into the buffers."""
+        C = self.spec.cache_length
         keep = self.priority(stat, cand_pos, step).topk(C, dim=-1).indices  # (B, Hp, C)
-        store.keep(cand_k, cand_v, cand_pos, keep)
+        self.storage.keep(cand_k, cand_v, cand_pos, keep)
         for name, s in self.stat.items():
             s[:, :, :C] = stat[name].gather(2, keep)
-        return out
 
     def reset(self) -> None:
         self.storage.reset()

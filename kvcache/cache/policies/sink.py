@@ -23,7 +23,8 @@ import torch
 
 from ...rope import apply_rope, rope_angles
 from ..base import CacheSpec, Step
-from ..evicting import EMPTY, PROTECTED, EvictingCache
+from ..evicting import EMPTY, PROTECTED
+from ..ring import RingCache
 
 MODES = ("absolute", "renumbered")
 
@@ -40,7 +41,7 @@ class SinkOptions:
             raise ValueError(f"positions must be one of {', '.join(MODES)}, got {self.positions!r}")
 
 
-class SinkCache(EvictingCache):
+class SinkCache(RingCache):
     name = "sink"
     description = "StreamingLLM: first `sinks` tokens + most recent (positions absolute or renumbered)"
     Options = SinkOptions
@@ -72,7 +73,7 @@ class SinkCache(EvictingCache):
         kp = k_pos.unsqueeze(2)
         return q_pos - self.shift(q_pos), torch.where(kp < self.options.sinks, kp, kp - shift)
 
-    def _renumbered_queries(self, q: torch.Tensor, step: Step) -> torch.Tensor | None:
+    def _sink_queries(self, q: torch.Tensor, step: Step) -> torch.Tensor | None:
         if self.options.positions == "absolute" or self.options.sinks == 0:
             return None
         # q: (B, Hq, T, D) rotated at p; rotate by -shift to p - shift for scoring sinks.

@@ -9,10 +9,11 @@ from __future__ import annotations
 import torch
 
 from ..base import Step
-from ..evicting import EMPTY, EvictingCache
+from ..evicting import EMPTY
+from ..ring import RingCache
 
 
-class WindowCache(EvictingCache):
+class WindowCache(RingCache):
     name = "window"
     description = "the most recent cache_length tokens (sliding window)"
 

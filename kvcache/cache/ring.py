@@ -1,0 +1,57 @@
+"""Caches whose kept set depends on positions alone (window, sink) keep tokens in a ring.
+
+The token at position p always lives in slot ``slot(p)``, so the decode step is an append at a
+slot known on the host, exactly like dense: no scoring, no search for a victim, no move. A
+multi-token chunk still attends over the kept slots plus the chunk (earlier queries of the chunk
+may need keys a later token of the chunk will overwrite); afterwards only the chunk tokens that
+survive are written, each to its slot.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import attention
+from .base import Step
+from .evicting import EvictingCache
+
+
+class RingCache(EvictingCache):
+    """An evicting cache whose slots are a function of positions (see module docstring)."""
+
+    def slot(self, positions: torch.Tensor) -> torch.Tensor:
+        """Slot of each position (any shape, long)."""
+        S, C = self.sinks(), self.spec.cache_length
+        return torch.where(positions < S, positions, S + (positions - S) % (C - S))
+
+    def _survives(self, positions: torch.Tensor, newest: torch.Tensor) -> torch.Tensor:
+        """Which of ``positions`` (B, T) are still kept once each row's newest is ``newest`` (B, 1)."""
+        return (positions > newest - (self.spec.cache_length - self.sinks())) | (positions < self.sinks())
+
+    def _keep(self, cand_k, cand_v, cand_pos, stat, step: Step) -> None:
+        C = self.spec.cache_length
+        new_k, new_v = cand_k[:, :, C:], cand_v[:, :, C:]
+        keep = step.valid & self._survives(step.positions, step.newest[:, None])
+        # Tokens that do not survive go to the scratch slot, so one scatter writes the chunk.
+        slots = torch.where(keep, self.slot(step.positions), C)
+        self.storage.write(slots, new_k, new_v, step.positions)
+        self.storage.pos[:, :, C] = -1
+
+    def _decode(self, q, k, v, step: Step) -> torch.Tensor:
+        C = self.spec.cache_length
+        store = self.storage
+        # The host knows every row's position, so the slot is computed without a device round trip.
+        host_slot = self.slot(step.start)
+        if bool((host_slot == host_slot[0]).all()):
+            store.write_slice(int(host_slot[0]), k, v, step.positions)
+        else:
+            store.write(host_slot.to(k.device)[:, None], k, v, step.positions)
+        span = min(C, int(step.start.max()) + 1)
+        ks, vs, pos = store.view(span)
+        full = bool((step.start + 1 >= C).all())
+        visible = None
+        if not full or self.spec.window is not None:
+            visible = attention.visibility(step.positions, pos, self._window(), self.sinks())[:, :, 0]
+        q_sink = self._sink_queries(q, step)
+        out, _ = attention.decode(q, ks, vs, visible, q_sink=q_sink, sink_slots=self.sinks())
+        return out
