@@ -1,0 +1,182 @@
+"""Shared fixtures: tiny random Hugging Face checkpoints of every supported family.
+
+Every checkpoint is built from a transformers config, its parameters perturbed so that biases and
+norm weights are far from their (zero / one) initial values, saved with ``save_pretrained`` into a
+session temporary directory and loaded back with kvcache. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvcache
+
+# The models are tiny: intra-op threads only add synchronisation, and on a shared 2-core machine
+# they make every forward an order of magnitude slower.
+torch.set_num_threads(1)
+
+VOCAB = 128
+HIDDEN = 64
+
+# Largest max-abs logit difference accepted between kvcache and transformers (same weights, same
+# input), per dtype. The two implementations order their floating-point operations differently.
+HF_ATOL = {
+    torch.float32: 1e-4,
+    torch.bfloat16: 1.5e-1,
+    torch.float16: 2e-2,
+}
+
+# Largest max-abs logit difference accepted between a cached (chunked) run and the plain forward
+# of kvcache itself: only the matmul shapes differ, so this is tighter than HF_ATOL.
+CACHE_ATOL = {
+    torch.float32: 1e-5,
+    torch.bfloat16: 1.5e-1,
+    torch.float16: 2e-2,
+}
+
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=HIDDEN,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,  # GQA, two query heads per K/V head
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
+def _config(name: str):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    if name == "llama":
+        return LlamaConfig(**_COMMON, tie_word_embeddings=False)
+    if name == "llama_llama3":
+        # original_max_position_embeddings=32 puts the head_dim=16 frequencies in all three bands
+        # of the llama3 recipe (kept, interpolated, slowed down).
+        rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+        return LlamaConfig(**_COMMON, rope_parameters=rope, tie_word_embeddings=True)
+    if name == "llama_linear":
+        rope = {"rope_type": "linear", "rope_theta": 500.0, "factor": 4.0}
+        return LlamaConfig(**_COMMON, rope_parameters=rope, attention_bias=True, mlp_bias=True,
+                           tie_word_embeddings=False)
+    if name == "qwen2":
+        return Qwen2Config(**_COMMON, tie_word_embeddings=True)
+    if name == "qwen3":
+        # head_dim 24 != hidden_size / heads = 16
+        return Qwen3Config(**_COMMON, head_dim=24, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                           tie_word_embeddings=False)
+    if name == "mistral":
+        return MistralConfig(**_COMMON, sliding_window=None, tie_word_embeddings=False)
+    if name == "mistral_window":
+        return MistralConfig(**_COMMON, sliding_window=8, tie_word_embeddings=False)
+    if name == "llama_long":
+        # One layer, for the 16k-token memory test.
+        return LlamaConfig(**{**_COMMON, "num_hidden_layers": 1, "max_position_embeddings": 32768})
+    raise KeyError(name)
+
+
+FAMILIES = ["llama", "llama_llama3", "llama_linear", "qwen2", "qwen3", "mistral", "mistral_window"]
+# Full-attention families: a cache over any chunking must equal the plain forward.
+TIED = {"llama_llama3", "qwen2"}
+
+
+def build_hf_model(name: str, seed: int | None = None):
+    """A tiny random transformers causal LM of family ``name``, fp32, eval mode, eager attention."""
+    from transformers import AutoModelForCausalLM
+
+    if seed is None:
+        seed = zlib.crc32(name.encode()) % 10_000
+    torch.manual_seed(seed)
+    cfg = _config(name)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight"):
+                # Norm weights around 1 but clearly not 1.
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+            elif pname.endswith("bias"):
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+            elif "embed_tokens" in pname:
+                # Tied embeddings double as the head: scale them so logits stay of order 1.
+                scale = HIDDEN ** -0.5 if cfg.tie_word_embeddings else 1.0
+                p.copy_(scale * torch.randn(p.shape, generator=gen))
+            else:
+                # Roughly variance-preserving projections so logits are of order 1.
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+@dataclass
+class Checkpoint:
+    name: str
+    path: Path
+    hf: object  # the transformers model the checkpoint was saved from
+
+
+@pytest.fixture(scope="session")
+def checkpoint_factory(tmp_path_factory):
+    """``factory(name)`` -> Checkpoint, built once per session per family."""
+    built: dict[str, Checkpoint] = {}
+
+    def factory(name: str) -> Checkpoint:
+        if name not in built:
+            hf = build_hf_model(name)
+            path = tmp_path_factory.mktemp(f"ckpt_{name}")
+            hf.save_pretrained(path)
+            built[name] = Checkpoint(name, path, hf)
+        return built[name]
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def model_factory(checkpoint_factory):
+    """``factory(name)`` -> kvcache Transformer (fp32), loaded once per session per family."""
+    loaded: dict[str, kvcache.Transformer] = {}
+
+    def factory(name: str) -> kvcache.Transformer:
+        if name not in loaded:
+            loaded[name] = kvcache.load(checkpoint_factory(name).path)
+        return loaded[name]
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def llama_ckpt(checkpoint_factory) -> Checkpoint:
+    return checkpoint_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def llama(model_factory) -> kvcache.Transformer:
+    """The default test model. Tests must not leave a ``layer_hook`` set on it."""
+    return model_factory("llama")
+
+
+@pytest.fixture
+def clean_hook(llama):
+    yield llama
+    llama.layer_hook = None
+
+
+def random_ids(n: int, batch: int = 1, seed: int = 0, low: int = 3) -> torch.Tensor:
+    """(batch, n) random token ids avoiding the special ids 0..2."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(low, VOCAB, (batch, n), generator=g)
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()

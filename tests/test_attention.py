@@ -1,0 +1,93 @@
+"""Attention kernels against a naive reference (explicit mask, repeated K/V heads)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcache import attention
+
+
+def _reference(q, k, v, q_pos, k_pos, window=None):
+    """Naive attention: q (B, Hq, T, D), k/v (B, Hkv, S, D), q_pos (B, T), k_pos (B, S)."""
+    G = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(G, dim=1)
+    v = v.repeat_interleave(G, dim=1)
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    qp, kp = q_pos[:, None, :, None], k_pos[:, None, None, :]
+    visible = (kp >= 0) & (kp <= qp)
+    if window is not None:
+        visible &= kp > qp - window
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+def _qkv(B, Hq, Hkv, T, S, D=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(B, Hq, T, D, generator=g),
+        torch.randn(B, Hkv, S, D, generator=g),
+        torch.randn(B, Hkv, S, D, generator=g),
+    )
+
+
+@pytest.mark.parametrize("Hq,Hkv", [(4, 4), (4, 2), (6, 1)])
+@pytest.mark.parametrize("window", [None, 1, 3])
+def test_causal_matches_reference(Hq, Hkv, window):
+    q, k, v = _qkv(2, Hq, Hkv, 9, 9)
+    pos = torch.arange(9).expand(2, 9)
+    out = attention.causal(q, k, v, window=window)
+    assert out.shape == q.shape
+    assert torch.allclose(out, _reference(q, k, v, pos, pos, window), atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_masked_positions_as_data(window):
+    """Queries at positions 7..9 over 12 slots holding shuffled positions, some empty."""
+    q, k, v = _qkv(2, 4, 2, 3, 12, seed=1)
+    q_pos = torch.tensor([[7, 8, 9], [3, 4, 5]])
+    k_pos = torch.stack([torch.randperm(12, generator=torch.Generator().manual_seed(s)) for s in (0, 1)])
+    k_pos[:, 10:] = -1  # empty slots
+    # Invisible slots carry huge values: attending to any of them would show.
+    v = v.masked_fill(((k_pos < 0) | (k_pos > 9))[:, None, :, None], 1e4)
+    out = attention.masked(q, k, v, q_pos, k_pos[:, None], window=window)
+    ref = _reference(q, k, v, q_pos, k_pos, window)
+    assert torch.allclose(out, ref, atol=1e-5)
+    assert out.abs().max() < 100
+
+
+def test_masked_query_blocks(monkeypatch):
+    """Long chunks are processed QUERY_BLOCK queries at a time with the same result."""
+    q, k, v = _qkv(1, 4, 2, 10, 14, seed=2)
+    q_pos = torch.arange(4, 14)[None]
+    k_pos = torch.arange(14)[None]
+    whole = attention.masked(q, k, v, q_pos, k_pos[:, None], window=6)
+    monkeypatch.setattr(attention, "QUERY_BLOCK", 3)
+    blocked = attention.masked(q, k, v, q_pos, k_pos[:, None], window=6)
+    assert torch.allclose(blocked, whole, atol=1e-6)
+    assert torch.allclose(blocked, _reference(q, k, v, q_pos, k_pos, 6), atol=1e-5)
+
+
+def test_all_visible_skips_only_a_redundant_mask():
+    q, k, v = _qkv(2, 4, 2, 1, 6, seed=3)
+    q_pos = torch.full((2, 1), 5)
+    k_pos = torch.arange(6).expand(2, 1, 6)
+    a = attention.masked(q, k, v, q_pos, k_pos)
+    b = attention.masked(q, k, v, q_pos, k_pos, all_visible=True)
+    assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_visibility():
+    q_pos = torch.tensor([[2, 5]])
+    k_pos = torch.tensor([[[0, 1, 2, 3, 4, 5, -1]]])
+    vis = attention.visibility(q_pos, k_pos, None)
+    assert vis.shape == (1, 1, 2, 7)
+    assert vis[0, 0].tolist() == [
+        [True, True, True, False, False, False, False],
+        [True, True, True, True, True, True, False],
+    ]
+    win = attention.visibility(q_pos, k_pos, 2)
+    assert win[0, 0].tolist() == [
+        [False, True, True, False, False, False, False],
+        [False, False, False, False, True, True, False],
+    ]
