@@ -34,13 +34,16 @@ def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def visibility(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, sinks: int = 0) -> torch.Tensor:
+def visibility(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, sinks: int = 0, limit: int | None = None
+) -> torch.Tensor:
     """Which keys each query may see.
 
     q_pos: (B, T) absolute query positions; k_pos: (B, Hp, S) key positions, -1 for an empty slot
     (Hp is 1 when all heads share slots, else Hkv). Returns (B, Hp, T, S) bool: the key slot is
     filled, not in the future, and (with a window) not further back than ``window - 1``, except
-    that the first ``sinks`` positions stay visible whatever the window.
+    that the first ``sinks`` positions stay visible whatever the window. ``limit`` is a hard
+    window that applies to sinks too (the model's own sliding window).
     """
     kp = k_pos.unsqueeze(2)
     qp = q_pos[:, None, :, None]
@@ -48,6 +51,8 @@ def visibility(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, sin
     if window is not None:
         recent = kp > qp - window
         mask &= (recent | (kp < sinks)) if sinks else recent
+    if limit is not None:
+        mask &= kp > qp - limit
     return mask
 
 
@@ -60,6 +65,7 @@ def masked(
     *,
     window: int | None = None,
     sinks: int = 0,
+    limit: int | None = None,
     all_visible: bool = False,
 ) -> torch.Tensor:
     """Attention of queries at ``q_pos`` over key slots at ``k_pos`` (see ``visibility``).
@@ -79,7 +85,7 @@ def masked(
         qb = q[:, :, start:stop].reshape(B, Hkv, G * n, D)
         mask = None
         if not all_visible:
-            vis = visibility(q_pos[:, start:stop], k_pos, window, sinks)  # (B, Hp, n, S)
+            vis = visibility(q_pos[:, start:stop], k_pos, window, sinks, limit)  # (B, Hp, n, S)
             mask = vis.unsqueeze(2).expand(-1, -1, G, -1, -1).reshape(B, vis.shape[1], G * n, -1)
         ob = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask)
         out[:, :, start:stop] = ob.view(B, Hq, n, D)
@@ -96,6 +102,7 @@ def masked_with_weights(
     *,
     window: int | None = None,
     sinks: int = 0,
+    limit: int | None = None,
     q_sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``masked`` attention that also reports how much attention each key received.
@@ -121,7 +128,7 @@ def masked_with_weights(
     for start in range(0, T, QUERY_BLOCK):
         stop = min(start + QUERY_BLOCK, T)
         n = stop - start
-        vis = visibility(q_pos[:, start:stop], k_pos, window, sinks)  # (B, Hp, n, S)
+        vis = visibility(q_pos[:, start:stop], k_pos, window, sinks, limit)  # (B, Hp, n, S)
         scores = q[:, :, start:stop].reshape(B, Hkv, G * n, D) @ kt  # (B, Hkv, G*n, S)
         if q_sink is not None:
             sink_scores = q_sink[:, :, start:stop].reshape(B, Hkv, G * n, D) @ kt

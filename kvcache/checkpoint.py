@@ -101,7 +101,11 @@ def load(
                 f"tensor {name!r} in {path} has shape {tuple(state[name].shape)}, "
                 f"but config.json implies {tuple(ref.shape)}"
             )
-    unexpected = sorted(n for n in state if n not in expected and not n.endswith(_IGNORED_SUFFIXES))
+    unexpected = sorted(
+        n for n in tensors
+        if n.removeprefix("model.") not in expected and not n.endswith(_IGNORED_SUFFIXES)
+        and not (cfg.tie_word_embeddings and n == "lm_head.weight")
+    )
     if unexpected:
         warnings.warn(f"ignoring {len(unexpected)} unexpected tensors in {path}: {unexpected[:5]}", stacklevel=2)
     if dtype is None:

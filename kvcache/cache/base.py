@@ -140,7 +140,10 @@ class KVCache:
         if n_tokens is None:
             n = torch.full((B,), T, dtype=torch.long)
         else:
-            n = torch.as_tensor(n_tokens, dtype=torch.long).cpu()
+            n = torch.as_tensor(n_tokens).cpu()
+            if n.is_floating_point() or n.is_complex() or n.dtype == torch.bool:
+                raise ValueError(f"n_tokens must hold integers, got dtype {n.dtype}")
+            n = n.long()
             if n.shape != (B,):
                 raise ValueError(f"n_tokens must have shape ({B},), got {tuple(n.shape)}")
             if bool((n < 0).any()) or bool((n > T).any()):

@@ -83,20 +83,12 @@ class EvictingCache(LayerCache):
         """(B, Hp, N) priority of each candidate at positions ``pos`` (B, Hp, N); -inf if empty."""
 
     # ----- shared machinery ------------------------------------------------------------------
-    def _window(self) -> int | None:
-        model, own = self.spec.window, self.window()
-        if model is None or own is None:
-            return own if model is None else model
-        return min(model, own)
-
     def _attend(self, q, k, v, q_pos, k_pos, step: Step, q_sink=None):
         """Attention over candidates; returns out and, if the policy observes, mass and seen."""
-        window, sinks = self._window(), self.sinks()
+        rule = dict(window=self.window(), sinks=self.sinks(), limit=self.spec.window)
         if not self.needs_attention and q_sink is None:
-            return attention.masked(q, k, v, q_pos, k_pos, window=window, sinks=sinks), None, None
-        return attention.masked_with_weights(
-            q, k, v, q_pos, k_pos, self.query_weight(step), window=window, sinks=sinks, q_sink=q_sink
-        )
+            return attention.masked(q, k, v, q_pos, k_pos, **rule), None, None
+        return attention.masked_with_weights(q, k, v, q_pos, k_pos, self.query_weight(step), q_sink=q_sink, **rule)
 
     def _sink_queries(self, q: torch.Tensor, step: Step) -> torch.Tensor | None:
         """Queries as seen by sink keys when positions are renumbered (see the sink policy)."""
@@ -114,11 +106,15 @@ class EvictingCache(LayerCache):
         for s in self.stat.values():
             s[:, :, C] = 0.0
         ks, vs, pos = store.view(C + 1)
-        visible = attention.visibility(step.positions, pos, self._window(), self.sinks())[:, :, 0]
+        visible = attention.visibility(step.positions, pos, self.window(), self.sinks(), self.spec.window)[:, :, 0]
         out, mass = attention.decode(q, ks, vs, visible, want_mass=self.needs_attention)
         if mass is not None:
             self.observe(self.stat, mass, visible.float(), pos, vs, step)
-        victim = self.priority(self.stat, pos, step).argmin(-1, keepdim=True)  # (B, Hp, 1)
+        prio = self.priority(self.stat, pos, step)
+        # Among equally low priorities evict the oldest, so what is kept depends on positions,
+        # never on slot order (which differs between a row alone and in a ragged batch).
+        lowest = prio == prio.min(-1, keepdim=True).values
+        victim = torch.where(lowest, pos, torch.iinfo(torch.long).max).argmin(-1, keepdim=True)  # (B, Hp, 1)
         store.move(C, victim)
         for s in self.stat.values():
             s.scatter_(2, victim, s[:, :, C : C + 1].clone())
@@ -147,7 +143,11 @@ class EvictingCache(LayerCache):
     def _keep(self, cand_k, cand_v, cand_pos, stat, step: Step) -> None:
         """Gather the top-priority ``cache_length`` candidates back into the buffers."""
         C = self.spec.cache_length
-        keep = self.priority(stat, cand_pos, step).topk(C, dim=-1).indices  # (B, Hp, C)
+        prio = self.priority(stat, cand_pos, step)
+        # Newest first, then a stable sort by priority: ties keep the newer token, whatever the slot order.
+        by_age = cand_pos.argsort(dim=-1, descending=True, stable=True)
+        ranked = prio.gather(2, by_age).sort(dim=-1, descending=True, stable=True).indices
+        keep = by_age.gather(2, ranked[..., :C])  # (B, Hp, C)
         self.storage.keep(cand_k, cand_v, cand_pos, keep)
         for name, s in self.stat.items():
             s[:, :, :C] = stat[name].gather(2, keep)

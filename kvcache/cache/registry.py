@@ -62,7 +62,19 @@ def _options(cls: type[LayerCache], options: dict[str, object]):
             f"policy {cls.name!r} has no option {', '.join(map(repr, unknown))}; "
             f"valid options: {', '.join(valid) or 'none'}"
         )
+    for f in dataclasses.fields(options_cls):
+        if f.name in options:
+            _check_type(cls.name, f.name, options[f.name], type(f.default))
     return options_cls(**options)
+
+
+def _check_type(policy: str, name: str, value: object, expected: type) -> None:
+    # bool is an int to Python, but `sinks=True` is a mistake, and `recent=3.5` should not round.
+    ok = isinstance(value, expected) and (expected is bool or not isinstance(value, bool))
+    if not ok:
+        raise ValueError(
+            f"option {name!r} of policy {policy!r} must be {expected.__name__}, got {value!r}"
+        )
 
 
 def layer_budgets(cache_length: int, num_layers: int, allocation: str | Sequence[int]) -> list[int]:

@@ -51,7 +51,7 @@ class RingCache(EvictingCache):
         full = bool((step.start + 1 >= C).all())
         visible = None
         if not full or self.spec.window is not None:
-            visible = attention.visibility(step.positions, pos, self._window(), self.sinks())[:, :, 0]
+            visible = attention.visibility(step.positions, pos, self.window(), self.sinks(), self.spec.window)[:, :, 0]
         q_sink = self._sink_queries(q, step)
         out, _ = attention.decode(q, ks, vs, visible, q_sink=q_sink, sink_slots=self.sinks())
         return out

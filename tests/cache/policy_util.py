@@ -156,19 +156,21 @@ class AttentionRecorder:
     def patch(self):
         orig = attention.masked, attention.masked_with_weights, attention.decode
 
-        def record(q_pos, k_pos, window, sinks):
-            vis = attention.visibility(q_pos, k_pos, window, sinks)
+        def record(q_pos, k_pos, window, sinks, limit):
+            vis = attention.visibility(q_pos, k_pos, window, sinks, limit)
             self.calls.append(dict(q_pos=q_pos.clone(), k_pos=k_pos.clone(), vis=vis))
 
-        def masked(q, k, v, q_pos, k_pos, *, window=None, sinks=0, all_visible=False):
-            record(q_pos, k_pos, window, sinks)
+        def masked(q, k, v, q_pos, k_pos, *, window=None, sinks=0, limit=None, all_visible=False):
+            record(q_pos, k_pos, window, sinks, limit)
             if all_visible:
                 self.calls[-1]["vis"] = torch.ones_like(self.calls[-1]["vis"])
-            return orig[0](q, k, v, q_pos, k_pos, window=window, sinks=sinks, all_visible=all_visible)
+            return orig[0](q, k, v, q_pos, k_pos, window=window, sinks=sinks, limit=limit, all_visible=all_visible)
 
-        def masked_with_weights(q, k, v, q_pos, k_pos, q_weight, *, window=None, sinks=0, q_sink=None):
-            record(q_pos, k_pos, window, sinks)
-            return orig[1](q, k, v, q_pos, k_pos, q_weight, window=window, sinks=sinks, q_sink=q_sink)
+        def masked_with_weights(q, k, v, q_pos, k_pos, q_weight, *, window=None, sinks=0, limit=None,
+                                q_sink=None):
+            record(q_pos, k_pos, window, sinks, limit)
+            return orig[1](q, k, v, q_pos, k_pos, q_weight, window=window, sinks=sinks, limit=limit,
+                           q_sink=q_sink)
 
         def decode(q, k, v, visible, **kwargs):
             # One query per row, at the row's current length; keys are the first S storage slots.

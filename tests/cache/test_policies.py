@@ -276,16 +276,6 @@ SCHEDULE = [[6, 4, 5], [5, 0, 7], [8, 5, 4], [4, 0, 0], [1, 1, 1], [1, 1, 1], [1
 # Rows also get one token while another row gets several.
 SCHEDULE_SINGLES = [[6, 4, 5], [5, 1, 7], [8, 4, 1], [4, 1, 3], [1, 1, 1], [1, 1, 1]]
 
-SNAPKV_WIDTH_BUG = (
-    "snapkv chooses prompt-vote vs decode-fallback eviction from the chunk width T "
-    "(step.num_tokens == 1), not from each row's own token count: a row with one real token in a "
-    "wider padded chunk is evicted by votes, the same row alone by the fallback"
-)
-SNAPKV_TIE_BUG = (
-    "snapkv pooling='max' makes plateaus of equal scores; topk breaks the ties by candidate slot "
-    "order, which depends on the row's padding and empty slots, so a ragged row keeps other tokens "
-    "than the same row alone"
-)
 
 def _ragged_case(llama, policy, options, schedule):
     C = 8
@@ -302,16 +292,14 @@ def _ragged_case(llama, policy, options, schedule):
 
 
 @pytest.mark.parametrize("policy,options", RAGGED_CASES + [
-    pytest.param("snapkv", dict(window=2, kernel=5, pooling="max", fallback="tova"),
-                 marks=pytest.mark.xfail(strict=True, reason=SNAPKV_TIE_BUG)),
+    ("snapkv", dict(window=2, kernel=5, pooling="max", fallback="tova")),
 ], ids=lambda x: str(x))
 def test_ragged_batch_evicts_per_row_as_alone(llama, policy, options):
     _ragged_case(llama, policy, options, SCHEDULE)
 
 
 @pytest.mark.parametrize("policy,options", [
-    pytest.param(p, o, marks=pytest.mark.xfail(strict=True, reason=SNAPKV_WIDTH_BUG)) if p == "snapkv" else (p, o)
-    for p, o in RAGGED_CASES
+    (p, o) for p, o in RAGGED_CASES
 ], ids=lambda x: str(x))
 def test_ragged_batch_with_single_token_rows_evicts_as_alone(llama, policy, options):
     _ragged_case(llama, policy, options, SCHEDULE_SINGLES)

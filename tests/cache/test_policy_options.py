@@ -99,10 +99,6 @@ def test_boundary_option_values_are_accepted(llama):
     kvcache.make_cache(llama, "snapkv", cache_length=8, window=7, kernel=1, pooling="max", fallback="tova")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "option types are not checked: make_cache accepts sinks=2.5 (the first forward then fails "
-    "inside scatter with a RuntimeError), kernel=3.0 (fails in avg_pool1d at the first forward) and "
-    "recent=3.5 (silently protects 4 tokens)"))
 @pytest.mark.parametrize("policy,options", [
     ("sink", dict(sinks=2.5)),
     ("snapkv", dict(window=4, kernel=3.0)),

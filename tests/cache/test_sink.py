@@ -130,10 +130,6 @@ def test_sink_streams_100k_tokens_in_flat_memory(one_layer):
         assert max_diff(run["logits"][0, -1], reference) <= 5e-3
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "sink keeps positions < sinks visible beyond the model's own sliding window: visibility() "
-    "exempts sinks from min(model window, policy window), so on a sliding-window model (Mistral) a "
-    "budget that covers the whole sequence does not reproduce the plain forward"))
 def test_budget_covering_sequence_equals_forward_with_model_window(model_factory):
     model = model_factory("mistral_window")  # sliding_window = 8
     ids = ids_for(20, seed=1, vocab=model.config.vocab_size)

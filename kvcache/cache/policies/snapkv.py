@@ -17,7 +17,6 @@ import torch.nn.functional as F
 
 from ..base import Step
 from ..evicting import EMPTY, PROTECTED, EvictingCache, newest
-from .tova import newest_query
 
 FALLBACKS = ("window", "tova")
 POOLINGS = ("avg", "max")
@@ -56,18 +55,23 @@ class SnapKVCache(EvictingCache):
             )
         super().__init__(spec, options)
 
+    @staticmethod
+    def _decoding(step: Step) -> torch.Tensor:
+        """(B, 1, 1) bool: the row adds one token (a decode step, evicted by the fallback); more
+        tokens are a prompt (evicted by votes). Decided per row, whatever the padded width."""
+        return (step.valid.sum(1) <= 1)[:, None, None]
+
     def query_weight(self, step: Step) -> torch.Tensor:
-        if step.num_tokens == 1:
-            return newest_query(step)
         t = torch.arange(step.num_tokens, device=step.valid.device)
         first = step.last_index[:, None] + 1 - self.options.window
         return (step.valid & (t >= first)).float()
 
     def observe(self, stat, mass, seen, pos, values, step: Step) -> None:
+        # A one-token row's window is that token alone, so its mass is the tova fallback's score.
         if step.num_tokens == 1:
-            stat["score"].copy_(mass)  # only read by the tova fallback
+            stat["score"].copy_(mass)
         else:
-            stat["score"].copy_(self._pool(mass, pos))
+            stat["score"].copy_(torch.where(self._decoding(step), mass, self._pool(mass, pos)))
 
     def _pool(self, votes: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         # Neighbours are neighbours in position, not in slot order: pool in position order.
@@ -80,8 +84,10 @@ class SnapKVCache(EvictingCache):
         return torch.empty_like(pooled).scatter_(2, order, pooled)
 
     def priority(self, stat, pos: torch.Tensor, step: Step) -> torch.Tensor:
+        fallback = pos.float() if self.options.fallback == "window" else stat["score"]
         if step.num_tokens == 1:
-            prio = pos.float() if self.options.fallback == "window" else stat["score"]
+            prio = fallback
         else:
-            prio = stat["score"] + PROTECTED * (pos > newest(step) - self.options.window)
+            voted = stat["score"] + PROTECTED * (pos > newest(step) - self.options.window)
+            prio = torch.where(self._decoding(step), fallback, voted)
         return torch.where(pos >= 0, prio, EMPTY)
