@@ -77,6 +77,9 @@ def masked(
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
+    if all_visible and T == 1:
+        # The decode step over a dense cache: one fused call, no mask, no copies.
+        return F.scaled_dot_product_attention(q.view(B, Hkv, G, D), k, v).view(B, Hq, 1, D)
     out = torch.empty_like(q)
     for start in range(0, T, QUERY_BLOCK):
         stop = min(start + QUERY_BLOCK, T)

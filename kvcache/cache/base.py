@@ -63,6 +63,8 @@ class Step:
     n_tokens:   (B,) long, CPU. Real tokens per row in this chunk.
     fresh:      every row starts empty, so queries and keys span the same tokens.
     uniform:    every row has the same start and no padding, so writes can be plain slices.
+    span_end:   max over rows of start + n_tokens: the most tokens any row has seen after the chunk.
+    min_start:  min over rows of start.
     """
 
     positions: torch.Tensor
@@ -74,6 +76,8 @@ class Step:
     n_tokens: torch.Tensor
     fresh: bool
     uniform: bool
+    span_end: int
+    min_start: int
 
     @property
     def num_tokens(self) -> int:
@@ -149,8 +153,8 @@ class KVCache:
             if bool((n < 0).any()) or bool((n > T).any()):
                 raise ValueError(f"n_tokens must lie in [0, {T}], got {n.tolist()}")
         start = self.lengths.clone()
-        uniform = bool((n == T).all()) and bool((start == start[0]).all())
-        fresh = bool((start == 0).all())
+        min_start, max_start = int(start.min()), int(start.max())
+        all_full = n_tokens is None or bool((n == T).all())
         dev = self.spec.device
         t = torch.arange(T)
         positions = start[:, None] + t
@@ -164,8 +168,10 @@ class KVCache:
             newest=(start + n - 1).to(dev),
             start=start,
             n_tokens=n,
-            fresh=fresh,
-            uniform=uniform,
+            fresh=max_start == 0,
+            uniform=all_full and min_start == max_start,
+            span_end=max_start + T if all_full else int((start + n).max()),
+            min_start=min_start,
         )
         for layer in self.layers:
             layer.check(step)

@@ -46,9 +46,9 @@ class RingCache(EvictingCache):
             store.write_slice(int(host_slot[0]), k, v, step.positions)
         else:
             store.write(host_slot.to(k.device)[:, None], k, v, step.positions)
-        span = min(C, int(step.start.max()) + 1)
+        span = min(C, step.span_end)
         ks, vs, pos = store.view(span)
-        full = bool((step.start + 1 >= C).all())
+        full = step.min_start + 1 >= C
         visible = None
         if not full or self.spec.window is not None:
             visible = attention.visibility(step.positions, pos, self.window(), self.sinks(), self.spec.window)[:, :, 0]

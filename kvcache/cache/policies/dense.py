@@ -20,7 +20,7 @@ class DenseCache(LayerCache):
         self.storage = FullStorage(spec)
 
     def check(self, step: Step) -> None:
-        if bool(((step.start + step.n_tokens) > self.spec.cache_length).any()):
+        if step.span_end > self.spec.cache_length:
             raise capacity_error(step, self.spec.cache_length, self.name)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
@@ -31,7 +31,7 @@ class DenseCache(LayerCache):
             self.storage.write(step.append_slot, k, v, step.positions)
         if step.fresh:
             return attention.causal(q, k, v, window=self.spec.window)
-        span = int((step.start + step.n_tokens).max())
+        span = step.span_end
         ks, vs, pos = self.storage.view(span)
         # A one-token step over a uniformly filled cache sees every slot, unless a model window cuts it.
         all_visible = step.uniform and T == 1 and (self.spec.window is None or span <= self.spec.window)
