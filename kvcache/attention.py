@@ -3,13 +3,19 @@
 Shapes used throughout:
     B batch, Hq query heads, Hkv key/value heads, G = Hq // Hkv, T query tokens, S key slots, D head_dim.
 
-Two paths:
-    ``causal``  equal query/key spans (no cache, or the first chunk into an empty cache): fused SDPA with
-                ``is_causal=True``, which needs no mask tensor at all.
-    ``masked``  queries against keys whose positions are data (a filled cache): the mask is derived
-                from positions for at most ``QUERY_BLOCK`` queries at a time, so extra memory is
-                O(min(T, QUERY_BLOCK) x S). Grouped heads are folded into the query axis instead of
-                repeating K/V: (B, Hq, T, D) -> (B, Hkv, G*T, D).
+Paths:
+    ``causal``   equal query/key spans (no cache, or the first chunk into an empty cache): fused SDPA
+                 with ``is_causal=True``, which needs no mask tensor at all.
+    ``masked``   queries against keys whose positions are data (a filled cache): the mask is derived
+                 from positions for at most ``QUERY_BLOCK`` queries at a time, so extra memory is
+                 O(min(T, QUERY_BLOCK) x S). Grouped heads are folded into the query axis instead of
+                 repeating K/V: (B, Hq, T, D) -> (B, Hkv, G*T, D). A dense decode step whose keys are
+                 all visible is a single fused call without a mask.
+    ``masked_with_weights``  the same, with explicit softmax weights, reporting the attention each
+                 key received (for policies that score tokens by it).
+    ``decode``   one query per row with explicit weights (scoring policies, renumbered sinks).
+Decode never uses ``is_causal=True``: SDPA aligns that mask top-left, so a one-token query would
+see only key 0.
 """
 
 from __future__ import annotations
