@@ -99,3 +99,34 @@ def test_policies_lists_dense(capsys):
     assert main(["policies"]) == 0
     out = capsys.readouterr().out
     assert any(line.split()[0] == "dense" and len(line.split()) > 1 for line in out.splitlines())
+
+
+def test_policy_options_reach_the_policy(model_dir, capsys):
+    """`--policy h2o --recent 4` generates what the Python API does with the same options."""
+    args = ["generate", PROMPT * 3, "--model", str(model_dir), "--max-new-tokens", "6",
+            "--policy", "h2o", "--cache-length", "8", "--recent", "4", "--normalize"]
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    tokenizer = kvcache.load_tokenizer(model_dir)
+    model = kvcache.load(model_dir)
+    ids = tokenizer.encode(PROMPT * 3)
+    # The CLI prefills in chunks of 512, i.e. this whole prompt in one chunk.
+    expected = kvcache.generate(model, ids, max_new_tokens=6, policy="h2o", cache_length=8,
+                                policy_options={"recent": 4, "normalize": True})
+    assert out == tokenizer.decode(expected) + "\n"
+    assert "(h2o, 8 slots)" in err
+
+
+def test_option_of_another_policy_is_rejected(model_dir, capsys):
+    code = main(["generate", PROMPT, "--model", str(model_dir), "--policy", "window", "--recent", "4"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "has no option 'recent'" in err
+
+
+def test_fractional_cache_length_and_pyramid(model_dir, capsys):
+    args = ["generate", PROMPT * 4, "--model", str(model_dir), "--max-new-tokens", "3",
+            "--policy", "window", "--cache-length", "0.5", "--allocation", "pyramid"]
+    assert main(args) == 0
+    n_prompt = len(kvcache.load_tokenizer(model_dir).encode(PROMPT * 4))
+    assert f"(window, {round(0.5 * n_prompt)} slots)" in capsys.readouterr().err
