@@ -1,6 +1,6 @@
 """kvcache: KV caching for decoder-only language models, exact where it claims to be."""
 
-from .cache import KVCache, LayerCache, adaptive_head_budgets, make_cache, policies, policy_options
+from .cache import KVCache, LayerCache, adaptive_head_budgets, make_cache, policies, policy_options, storages
 from .checkpoint import Tokenizer, load, load_tokenizer
 from .config import ModelConfig, RopeConfig
 from .errors import CapacityError, CheckpointError, KVCacheError
@@ -26,4 +26,5 @@ __all__ = [
     "make_cache",
     "policies",
     "policy_options",
+    "storages",
 ]

@@ -10,7 +10,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from . import generate, load, load_tokenizer, make_cache, policies, policy_options
+from . import generate, load, load_tokenizer, make_cache, policies, policy_options, storages
 from .errors import KVCacheError
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -97,7 +97,8 @@ def _parser() -> argparse.ArgumentParser:
     gen = commands.add_parser("generate", help="continue a prompt, streaming the text to stdout")
     gen.add_argument("prompt", help="prompt text, or - to read it from stdin")
     gen.add_argument("--model", metavar="DIR", help="Hugging Face-format checkpoint directory (default: bundled)")
-    gen.add_argument("--policy", default="dense", help="cache policy (see `kvcache policies`; default: dense)")
+    gen.add_argument("--policy", default="dense",
+                     help="cache policy, optionally with a storage: h2o, h2o:int4 (see `kvcache policies`; default: dense)")
     gen.add_argument(
         "--cache-length", type=_budget, metavar="N",
         help="cache slots per layer, or a fraction of the prompt such as 0.25 (default: prompt + new tokens)",
@@ -119,7 +120,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", choices=DTYPES, help="default: the checkpoint's")
     gen.add_argument("--device", type=_device, default="cpu", help="e.g. cpu, cuda, cuda:1 (default: cpu)")
 
-    commands.add_parser("policies", help="list the cache policies")
+    commands.add_parser("policies", help="list the cache policies and storages")
     return parser
 
 
@@ -209,6 +210,9 @@ def _policies() -> None:
         options = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in policy_options(name).items())
         if options:
             print(f"{'':<{width}}  options: {options}")
+    print("\nstorages (name a cache policy:storage, e.g. h2o:int4; default full):")
+    for name, description in storages().items():
+        print(f"{name:<{width}}  {description}")
 
 
 def main(argv: list[str] | None = None) -> int:

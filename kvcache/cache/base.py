@@ -41,6 +41,8 @@ class CacheSpec:
     window: int | None = None
     # (D // 2,) rotary frequencies, for policies that renumber positions.
     inv_freq: torch.Tensor | None = None
+    # How keys and values are kept: "full" (the model's dtype), "int8" or "int4" (see storage.py).
+    storage: str = "full"
 
     def __post_init__(self) -> None:
         if self.batch_size <= 0:

@@ -25,7 +25,7 @@ import torch
 
 from .. import attention
 from .base import CacheSpec, LayerCache, Step
-from .storage import FullStorage
+from .storage import make_storage
 
 # Added to a priority to make a candidate outrank every scored one (sinks, the recent window).
 PROTECTED = 1e30
@@ -51,7 +51,7 @@ class EvictingCache(LayerCache):
 
     def __init__(self, spec: CacheSpec, options) -> None:
         super().__init__(spec, options)
-        self.storage = FullStorage(spec, per_head=self.per_head)
+        self.storage = make_storage(spec, per_head=self.per_head)
         Hp = self.storage.pos.shape[1]
         self.stat = {
             name: torch.zeros(spec.batch_size, Hp, spec.cache_length + 1, device=spec.device)
@@ -126,6 +126,8 @@ class EvictingCache(LayerCache):
         Hp = store.pos.shape[1]
         ks, vs, pos = store.view(C)
         new_pos = torch.where(step.valid, step.positions, -1).unsqueeze(1).expand(-1, Hp, -1)
+        # New tokens are attended as they will be stored, like the decode path (which reads them back).
+        k, v = store.roundtrip(k, v)
         cand_k = torch.cat((ks, k), dim=2)
         cand_v = torch.cat((vs, v), dim=2)
         cand_pos = torch.cat((pos, new_pos), dim=2)
@@ -148,7 +150,7 @@ class EvictingCache(LayerCache):
         by_age = cand_pos.argsort(dim=-1, descending=True, stable=True)
         ranked = prio.gather(2, by_age).sort(dim=-1, descending=True, stable=True).indices
         keep = by_age.gather(2, ranked[..., :C])  # (B, Hp, C)
-        self.storage.keep(cand_k, cand_v, cand_pos, keep)
+        self.storage.keep(cand_k, cand_v, cand_pos, keep, stored=C)
         for name, s in self.stat.items():
             s[:, :, :C] = stat[name].gather(2, keep)
 

@@ -1,4 +1,8 @@
-"""Policy names -> layer cache classes, typed options, per-layer budgets, and ``make_cache``."""
+"""Policy names -> layer cache classes, typed options, per-layer budgets, and ``make_cache``.
+
+A cache is named ``policy[:storage]``: ``h2o`` keeps the tokens H2O picks at full precision,
+``h2o:int4`` keeps the tokens it picks as 4-bit codes. Any policy pairs with any storage.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from .policies.sink import SinkCache
 from .policies.snapkv import SnapKVCache
 from .policies.tova import TOVACache
 from .policies.window import WindowCache
+from .storage import STORAGES
 
 _POLICIES: dict[str, type[LayerCache]] = {}
 
@@ -28,6 +33,8 @@ def register(cls: type[LayerCache]) -> type[LayerCache]:
     """Register a layer cache class under its ``name`` (usable as a class decorator)."""
     if cls.name in _POLICIES:
         raise ValueError(f"a policy named {cls.name!r} is already registered")
+    if ":" in cls.name:
+        raise ValueError(f"a policy name cannot contain ':' (it separates the storage), got {cls.name!r}")
     _POLICIES[cls.name] = cls
     return cls
 
@@ -41,10 +48,29 @@ def policies() -> dict[str, str]:
     return {name: cls.description for name, cls in sorted(_POLICIES.items())}
 
 
+def storages() -> dict[str, str]:
+    """Storage names (the part after ``:`` in ``h2o:int4``) with a one-line description each."""
+    return dict(STORAGES)
+
+
 def policy_options(policy: str) -> dict[str, object]:
-    """Options of ``policy`` with their defaults."""
-    options_cls = getattr(_lookup(policy), "Options", NoOptions)
+    """Options of ``policy`` (a name like ``h2o`` or ``h2o:int4``) with their defaults."""
+    options_cls = getattr(_lookup(parse_name(policy)[0]), "Options", NoOptions)
     return {f.name: f.default for f in dataclasses.fields(options_cls)}
+
+
+def parse_name(name: str) -> tuple[str, str]:
+    """``"h2o:int4"`` -> ("h2o", "int4"); ``"h2o"`` -> ("h2o", "full"). Raises ValueError on an
+    unknown storage (an unknown policy is reported by ``_lookup``)."""
+    policy, sep, storage = name.partition(":")
+    if not sep:
+        return policy, "full"
+    if storage not in STORAGES:
+        raise ValueError(
+            f"unknown storage {storage!r} in {name!r}; available: {', '.join(STORAGES)} "
+            f"(name a cache policy[:storage], e.g. 'h2o:int4')"
+        )
+    return policy, storage
 
 
 def _lookup(policy: str) -> type[LayerCache]:
@@ -113,10 +139,12 @@ def make_cache(
     ``allocation`` spreads the budget over layers ("uniform", "pyramid", or one count per layer).
     ``head_budgets[layer][head]`` instead gives every K/V head its own capacity (see
     ``adaptive_head_budgets``); each head is then allocated at its own size.
-    ``options`` are the policy's own (see ``policy_options``). Buffers are allocated here, once,
+    ``options`` are the policy's own (see ``policy_options``). ``policy`` may name a storage too,
+    ``"h2o:int4"`` (see ``storages``; default full precision). Buffers are allocated here, once,
     in the model's dtype and on its device.
     """
-    cls = _lookup(policy)
+    policy_name, storage = parse_name(policy)
+    cls = _lookup(policy_name)
     opts = _options(cls, options)
     if isinstance(cache_length, float):
         if not 0 < cache_length < 1 or prompt_length is None:
@@ -144,6 +172,7 @@ def make_cache(
             device=weight.device,
             window=cfg.sliding_window,
             inv_freq=model.inv_freq,
+            storage=storage,
         )
         if head_budgets is None:
             layers.append(cls(spec, opts))

@@ -32,6 +32,8 @@ class RingCache(EvictingCache):
         C = self.spec.cache_length
         new_k, new_v = cand_k[:, :, C:], cand_v[:, :, C:]
         keep = step.valid & self._survives(step.positions, step.newest[:, None])
+        # new_k, new_v are the chunk as attended (read back from its codes by a quantized storage,
+        # whose encoding of a read-back value gives the same codes).
         # Tokens that do not survive go to the scratch slot, so one scatter writes the chunk.
         slots = torch.where(keep, self.slot(step.positions), C)
         self.storage.write(slots, new_k, new_v, step.positions)

@@ -3,6 +3,9 @@
 Every buffer has ``cache_length + 1`` slots. The last one is a scratch slot that absorbs the
 writes of padding tokens, so a ragged chunk is written with one index operation and no
 data-dependent shapes; attention never reads it.
+
+A policy decides which tokens stay, a storage how their bits are kept: ``make_storage`` picks
+the storage named by ``CacheSpec.storage`` (``STORAGES``), and every policy works with every one.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .base import CacheSpec
+from .quantized import BITS, QuantizedStorage
 
 
 class FullStorage:
@@ -49,8 +53,12 @@ class FullStorage:
         self.pos.scatter_(2, dst, self.pos[:, :, src : src + 1].clone())
         self.pos[:, :, src] = -1
 
-    def keep(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, index: torch.Tensor) -> None:
-        """Fill slots [0, C) with candidates ``index`` (B, Hp, C) picked from k, v (B, Hkv, N, D), pos (B, Hp, N)."""
+    def keep(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, index: torch.Tensor, stored: int = 0) -> None:
+        """Fill slots [0, C) with candidates ``index`` (B, Hp, C) picked from k, v (B, Hkv, N, D), pos (B, Hp, N).
+
+        ``stored``: candidates [0, stored) are this storage's slots [0, stored). Full precision
+        needs no such hint (k, v hold their exact bits); a quantized storage reuses their codes.
+        """
         B, H, _, D = k.shape
         C = index.shape[-1]
         gather = index.expand(B, H, C).unsqueeze(-1).expand(B, H, C, D)
@@ -62,8 +70,28 @@ class FullStorage:
         """The first ``span`` slots: k, v (B, Hkv, span, D) and pos (B, Hp, span)."""
         return self.k[:, :, :span], self.v[:, :, :span], self.pos[:, :, :span]
 
+    def roundtrip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v (B, Hkv, T, D) as ``view`` would return them once stored: unchanged here."""
+        return k, v
+
     def reset(self) -> None:
         self.pos.fill_(-1)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.pos))
+
+
+STORAGES = {
+    "full": "keys and values at the model's dtype (exact)",
+    "int8": "8-bit codes + float32 scale and offset per token and K/V head (about 1/2 of fp16)",
+    "int4": "4-bit codes, two per byte, + float32 scale and offset per token and K/V head (about 1/4 of fp16)",
+}
+
+
+def make_storage(spec: CacheSpec, per_head: bool = False) -> FullStorage | QuantizedStorage:
+    """The slot buffers named by ``spec.storage``; ``per_head``: one position per K/V head."""
+    if spec.storage not in STORAGES:
+        raise ValueError(f"unknown storage {spec.storage!r}; available: {', '.join(STORAGES)}")
+    if spec.storage == "full":
+        return FullStorage(spec, per_head)
+    return QuantizedStorage(spec, BITS[spec.storage], per_head)

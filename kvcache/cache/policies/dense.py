@@ -6,7 +6,7 @@ import torch
 
 from ... import attention
 from ..base import CacheSpec, LayerCache, Step, capacity_error
-from ..storage import FullStorage
+from ..storage import make_storage
 
 
 class DenseCache(LayerCache):
@@ -17,7 +17,7 @@ class DenseCache(LayerCache):
 
     def __init__(self, spec: CacheSpec, options: object = None) -> None:
         super().__init__(spec, options)
-        self.storage = FullStorage(spec)
+        self.storage = make_storage(spec)
 
     def check(self, step: Step) -> None:
         if step.span_end > self.spec.cache_length:
@@ -30,7 +30,9 @@ class DenseCache(LayerCache):
         else:
             self.storage.write(step.append_slot, k, v, step.positions)
         if step.fresh:
-            return attention.causal(q, k, v, window=self.spec.window)
+            # Attend over the bits the cache keeps, as every later step will: the result then
+            # does not depend on how the sequence is chunked, whatever the storage.
+            return attention.causal(q, *self.storage.roundtrip(k, v), window=self.spec.window)
         span = step.span_end
         ks, vs, pos = self.storage.view(span)
         # A one-token step over a uniformly filled cache sees every slot, unless a model window cuts it.
