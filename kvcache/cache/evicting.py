@@ -75,7 +75,8 @@ class EvictingCache(LayerCache):
                 pos: torch.Tensor, values: torch.Tensor, step: Step) -> None:
         """Update per-candidate statistics in place.
 
-        mass: (B, Hkv, N) attention received; seen, pos: (B, Hp, N); values: (B, Hkv, N, D).
+        mass: (B, Hkv, N) attention received; seen: (B, Hp, N) count of queries that saw each
+        candidate (or 1.0 when one query saw them all); pos: (B, Hp, N); values: (B, Hkv, N, D).
         """
 
     @abstractmethod
@@ -106,10 +107,14 @@ class EvictingCache(LayerCache):
         for s in self.stat.values():
             s[:, :, C] = 0.0
         ks, vs, pos = store.view(C + 1)
-        visible = attention.visibility(step.positions, pos, self.window(), self.sinks(), self.spec.window)[:, :, 0]
+        if self.window() is None and self.spec.window is None:
+            # Only empty slots are hidden, and once every row has seen C tokens there are none.
+            visible = None if step.min_start >= C else pos >= 0
+        else:
+            visible = attention.visibility(step.positions, pos, self.window(), self.sinks(), self.spec.window)[:, :, 0]
         out, mass = attention.decode(q, ks, vs, visible, want_mass=self.needs_attention)
         if mass is not None:
-            self.observe(self.stat, mass, visible.float(), pos, vs, step)
+            self.observe(self.stat, mass, 1.0 if visible is None else visible.float(), pos, vs, step)
         prio = self.priority(self.stat, pos, step)
         # Among equally low priorities evict the oldest, so what is kept depends on positions,
         # never on slot order (which differs between a row alone and in a ragged batch).

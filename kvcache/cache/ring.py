@@ -43,11 +43,10 @@ class RingCache(EvictingCache):
         C = self.spec.cache_length
         store = self.storage
         # The host knows every row's position, so the slot is computed without a device round trip.
-        host_slot = self.slot(step.start)
-        if bool((host_slot == host_slot[0]).all()):
-            store.write_slice(int(host_slot[0]), k, v, step.positions)
+        if step.uniform:
+            store.write_slice(int(self.slot(torch.tensor(step.start0))), k, v, step.positions)
         else:
-            store.write(host_slot.to(k.device)[:, None], k, v, step.positions)
+            store.write(self.slot(step.start).to(k.device)[:, None], k, v, step.positions)
         span = min(C, step.span_end)
         ks, vs, pos = store.view(span)
         full = step.min_start + 1 >= C
@@ -55,5 +54,8 @@ class RingCache(EvictingCache):
         if not full or self.spec.window is not None:
             visible = attention.visibility(step.positions, pos, self.window(), self.sinks(), self.spec.window)[:, :, 0]
         q_sink = self._sink_queries(q, step)
+        if visible is None and q_sink is None:
+            # Every slot holds one of the newest positions: the dense decode call applies.
+            return attention.masked(q, ks, vs, step.positions, pos, all_visible=True)
         out, _ = attention.decode(q, ks, vs, visible, q_sink=q_sink, sink_slots=self.sinks())
         return out

@@ -78,6 +78,8 @@ class SinkCache(RingCache):
     def _sink_queries(self, q: torch.Tensor, step: Step) -> torch.Tensor | None:
         if self.options.positions == "absolute" or self.options.sinks == 0:
             return None
+        if step.span_end <= self.spec.cache_length:
+            return None  # no position has reached cache_length yet: nothing is renumbered
         # q: (B, Hq, T, D) rotated at p; rotate by -shift to p - shift for scoring sinks.
         cos, sin = rope_angles(self.spec.inv_freq, -self.shift(step.positions), q.dtype)
         return apply_rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
