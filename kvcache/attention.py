@@ -176,6 +176,8 @@ def decode(
     Hkv = k.shape[1]
     G = Hq // Hkv
     qh = q.reshape(B, Hkv, G, D)
+    if not want_mass:
+        return _decode_fused(qh, k, v, visible, q_sink, sink_slots).view(B, Hq, 1, D), None
     scores = qh @ k.transpose(-1, -2)  # (B, Hkv, G, S)
     if q_sink is not None and sink_slots:
         scores[..., :sink_slots] = q_sink.reshape(B, Hkv, G, D) @ k[:, :, :sink_slots].transpose(-1, -2)
@@ -185,3 +187,19 @@ def decode(
     weights = scores.softmax(-1)
     out = (weights.to(v.dtype) @ v).view(B, Hq, 1, D)
     return out, weights.sum(2) if want_mass else None
+
+
+def _decode_fused(qh, k, v, visible, q_sink, sink_slots) -> torch.Tensor:
+    """``decode`` without weights, as one fused call. qh: (B, Hkv, G, D) -> (B, Hkv, G, D).
+
+    Renumbered sinks become an additive bias on their scores: (q_sink - q) . k_s, which turns
+    q . k_s into q_sink . k_s, so only the sinks' few columns are computed apart.
+    """
+    B, Hkv, G, D = qh.shape
+    mask = None if visible is None else visible.unsqueeze(2)  # (B, Hp, 1, S)
+    if q_sink is not None and sink_slots:
+        bias = qh.new_zeros(B, Hkv, G, k.shape[2])
+        delta = q_sink.reshape(B, Hkv, G, D) - qh
+        bias[..., :sink_slots] = (delta @ k[:, :, :sink_slots].transpose(-1, -2)) * D**-0.5
+        mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
+    return F.scaled_dot_product_attention(qh, k, v, attn_mask=mask)
