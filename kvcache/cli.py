@@ -61,6 +61,48 @@ def _device(value: str) -> torch.device:
     return device
 
 
+def _names(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def _floats(value: str) -> list[float]:
+    return [float(v) for v in _names(value)]
+
+
+def _ints(value: str) -> list[int]:
+    return [int(v) for v in _names(value)]
+
+
+def _eval(args: argparse.Namespace) -> None:
+    import json
+    from pathlib import Path
+
+    from . import plots
+    from .evaluate import Grid, evaluate, markdown
+    from .tasks import read_texts
+
+    grid = Grid()
+    if args.quick:
+        grid = Grid(policies=["dense", "window", "sink", "h2o"], budgets=[0.25], lengths=[256],
+                    depths=[0.0, 0.5, 1.0], trials=1, stream_tokens=256)
+    overrides = {k: getattr(args, k) for k in ("policies", "budgets", "lengths", "depths", "trials",
+                                               "stream_tokens") if getattr(args, k) is not None}
+    grid = Grid(**{**grid.__dict__, **overrides})
+    tokenizer = load_tokenizer(args.model)
+    model = load(args.model)
+    stream = read_texts(args.texts, tokenizer)
+    report = evaluate(model, tokenizer, stream, stream, grid, progress=sys.stderr.isatty())
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    table = markdown(report)
+    (out / "report.md").write_text(table)
+    plots.quality_vs_budget(report, out / "quality_vs_budget.png")
+    plots.passkey_heatmaps(report, out / "passkey_heatmap.png", budget=min(grid.budgets))
+    print(table, end="")
+    print(f"wrote {out}/report.json, report.md, quality_vs_budget.png, passkey_heatmap.png", file=sys.stderr)
+
+
 def _budget(value: str) -> int | float:
     number = float(value)
     if number.is_integer() and number >= 1:
@@ -119,6 +161,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--dtype", choices=DTYPES, help="default: the checkpoint's")
     gen.add_argument("--device", type=_device, default="cpu", help="e.g. cpu, cuda, cuda:1 (default: cpu)")
+
+    ev = commands.add_parser("eval", help="quality of policies against dense (perplexity, agreement, passkey)")
+    ev.add_argument("--model", metavar="DIR", help="checkpoint directory (default: bundled)")
+    ev.add_argument("--texts", default="evaluation/texts", metavar="DIR",
+                    help="held-out .txt files for streaming and passkey filler (default: evaluation/texts)")
+    ev.add_argument("--policies", type=_names, help="comma-separated (default: all)")
+    ev.add_argument("--budgets", type=_floats, help="fractions of the context (default: 0.125,0.25,0.5)")
+    ev.add_argument("--lengths", type=_ints, help="passkey context lengths (default: 512,1024,2048)")
+    ev.add_argument("--depths", type=_floats, help="needle depths in [0, 1] (default: 0,0.25,0.5,0.75,1)")
+    ev.add_argument("--trials", type=int, help="passkeys per cell (default: 4)")
+    ev.add_argument("--stream-tokens", type=int, help="held-out tokens for streaming (default: 2048)")
+    ev.add_argument("--out", default="results/eval", metavar="DIR", help="report.json, report.md, PNGs")
+    ev.add_argument("--quick", action="store_true", help="a smoke run of well under a minute")
 
     commands.add_parser("policies", help="list the cache policies and storages")
     return parser
@@ -220,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             _generate(args)
+        elif args.command == "eval":
+            _eval(args)
         else:
             _policies()
     except (KVCacheError, ValueError) as e:

@@ -28,7 +28,8 @@ def read_texts(directory: str | Path, tokenizer) -> torch.Tensor:
     ids: list[int] = []
     for enc in tokenizer.backend.encode_batch(texts, add_special_tokens=False):
         ids.extend(enc.ids)
-        ids.append(tokenizer.eos_token_id)
+        if tokenizer.eos_token_id is not None:
+            ids.append(tokenizer.eos_token_id)
     return torch.tensor(ids, dtype=torch.long)
 
 
@@ -39,7 +40,8 @@ class TaskMaker:
         self.tok = tokenizer
         self.rng = random.Random(seed)
         self.stream = stream
-        self.bos = tokenizer.bos_token_id
+        # Sequences start with the tokenizer's beginning-of-text token, if it has one.
+        self.start = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False)
@@ -55,9 +57,9 @@ class TaskMaker:
         needle = self.encode(f" The pass key is {key}. Remember it. {key} is the pass key. ")
         question = self.encode(" What is the pass key? The pass key is")
         answer = self.encode(f" {key}.")
-        fill = self.filler(max(0, length - len(needle) - len(question) - len(answer) - 1))
+        fill = self.filler(max(0, length - len(needle) - len(question) - len(answer) - len(self.start)))
         at = int(depth * len(fill))
-        return [self.bos] + fill[:at] + needle + fill[at:] + question, answer
+        return self.start + fill[:at] + needle + fill[at:] + question, answer
 
     def lookup(self, length: int, needles: int = 3):
         names = self.rng.sample(NAMES, needles)
@@ -66,9 +68,9 @@ class TaskMaker:
         pick = self.rng.randrange(needles)
         question = self.encode(f" What is the code for {names[pick]}? The code for {names[pick]} is")
         answer = self.encode(f" {codes[pick]}.")
-        fill = self.filler(max(0, length - sum(map(len, lines)) - len(question) - len(answer) - 1))
+        fill = self.filler(max(0, length - sum(map(len, lines)) - len(question) - len(answer) - len(self.start)))
         cuts = sorted(self.rng.randrange(len(fill) + 1) for _ in lines)
-        out, prev = [self.bos], 0
+        out, prev = list(self.start), 0
         for cut, line in zip(cuts, lines):
             out += fill[prev:cut] + line
             prev = cut

@@ -1,0 +1,142 @@
+"""Quality of cache policies against dense: streaming perplexity, agreement, passkey retrieval.
+
+Budgets are fractions of the context length, so one grid applies to every task and length.
+    streaming   held-out text fed through the bounded cache ``chunk`` tokens at a time (the
+                StreamingLLM protocol): perplexity, and against dense on the same text the top-1
+                agreement and mean KL(dense || policy) of next-token distributions.
+    passkey     a key hidden at a depth of a context; accuracy of the greedy answer, in two
+                protocols: ``query_aware`` (the question is part of the prompt the cache sees)
+                and ``query_agnostic`` (the context is compressed first, the question comes after).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from .cache.registry import make_cache
+from .generate import generate
+from .tasks import TaskMaker
+
+PROTOCOLS = ("query_aware", "query_agnostic")
+
+
+@dataclass
+class Grid:
+    policies: list[str] = field(default_factory=lambda: ["dense", "window", "sink", "h2o", "tova", "snapkv"])
+    budgets: list[float] = field(default_factory=lambda: [0.125, 0.25, 0.5])
+    lengths: list[int] = field(default_factory=lambda: [512, 1024, 2048])
+    depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
+    trials: int = 4
+    stream_tokens: int = 2048
+    chunk: int = 32
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not all(0 < b <= 1 for b in self.budgets):
+            raise ValueError(f"budgets are fractions of the context in (0, 1], got {self.budgets}")
+        if not all(0 <= d <= 1 for d in self.depths):
+            raise ValueError(f"depths must lie in [0, 1], got {self.depths}")
+        if self.trials <= 0 or self.chunk <= 0 or self.stream_tokens < 2:
+            raise ValueError("trials and chunk must be positive and stream_tokens at least 2")
+
+
+def budget_options(policy: str, cache_length: int) -> dict[str, object]:
+    """Options that scale with the budget, as the papers set them: H2O splits its budget evenly
+    between recent tokens and heavy hitters; SnapKV observes up to 32 tokens; StreamingLLM keeps
+    4 sinks. Small budgets get proportionally smaller windows so every option stays valid."""
+    if policy == "h2o":
+        return {"recent": cache_length // 2}
+    if policy == "snapkv":
+        return {"window": max(1, min(32, cache_length // 4))}
+    if policy == "sink":
+        return {"sinks": max(1, min(4, cache_length // 4))}
+    return {}
+
+
+def _cells(grid: Grid) -> list[tuple[str, float]]:
+    """(policy, budget) pairs; dense is the reference and runs once, at full budget."""
+    return [(p, 1.0) if p == "dense" else (p, b) for p in grid.policies for b in
+            ([1.0] if p == "dense" else grid.budgets)]
+
+
+@torch.inference_mode()
+def streaming(model, ids: torch.Tensor, policy: str, cache_length: int, chunk: int,
+              reference: torch.Tensor) -> dict[str, float]:
+    """ids: (1, N). reference: (N - 1, vocab) dense log-probabilities of the next tokens."""
+    cache = make_cache(model, policy, cache_length=cache_length, **budget_options(policy, cache_length))
+    logits = torch.cat([model(ids[:, i : i + chunk], cache)[0] for i in range(0, ids.shape[1], chunk)])
+    logp = F.log_softmax(logits[:-1].float(), dim=-1)
+    nll = -logp.gather(1, ids[0, 1:, None]).mean().item()
+    kl = (reference.exp() * (reference - logp)).sum(-1).mean().item()
+    agree = (logp.argmax(-1) == reference.argmax(-1)).float().mean().item()
+    return {"perplexity": math.exp(nll), "top1_agreement": agree, "kl": kl}
+
+
+@torch.inference_mode()
+def passkey(model, tasks: TaskMaker, policy: str, budget: float, length: int, depth: float,
+            trials: int, protocol: str) -> float:
+    """Fraction of ``trials`` answered exactly (greedy) at this length and depth."""
+    correct = 0
+    for _ in range(trials):
+        prompt, answer = tasks.passkey(length, depth=depth)
+        question = len(tasks.encode(" What is the pass key? The pass key is"))
+        context = len(prompt) - question
+        cache_length = len(prompt) + len(answer) if policy == "dense" else max(8, round(budget * context))
+        cache = make_cache(model, policy, cache_length=cache_length, **budget_options(policy, cache_length))
+        # query_agnostic: the first chunk is the context alone, so the cache is compressed
+        # before the question arrives.
+        chunk = context if protocol == "query_agnostic" else None
+        out = generate(model, prompt, max_new_tokens=len(answer), cache=cache, stop_tokens=(),
+                       prefill_chunk=chunk)
+        correct += out == answer
+    return correct / trials
+
+
+def evaluate(model, tokenizer, filler: torch.Tensor, held_out: torch.Tensor, grid: Grid,
+             protocols: tuple[str, ...] = PROTOCOLS, progress: bool = True) -> dict:
+    """Run the grid. filler: token stream for passkey contexts; held_out: (N,) text for streaming."""
+    cells = _cells(grid)
+    ids = held_out[None, : grid.stream_tokens]
+    with torch.inference_mode():
+        reference = F.log_softmax(model(ids)[0, :-1].float(), dim=-1)
+    report: dict = {"grid": grid.__dict__, "streaming": [], "passkey": []}
+    total = len(cells) * (1 + len(protocols) * len(grid.lengths) * len(grid.depths))
+    bar = tqdm(total=total, desc="eval", unit="cell", disable=not progress)
+    for policy, budget in cells:
+        length = max(8, round(budget * ids.shape[1]))
+        bar.set_postfix_str(f"{policy} {budget:g}")
+        report["streaming"].append({"policy": policy, "budget": budget, "cache_length": length,
+                                    **streaming(model, ids, policy, length, grid.chunk, reference)})
+        bar.update()
+        for protocol in protocols:
+            for n in grid.lengths:
+                for depth in grid.depths:
+                    tasks = TaskMaker(filler, tokenizer, seed=grid.seed + n)  # same keys for every policy
+                    acc = passkey(model, tasks, policy, budget, n, depth, grid.trials, protocol)
+                    report["passkey"].append({"policy": policy, "budget": budget, "protocol": protocol,
+                                              "length": n, "depth": depth, "accuracy": acc})
+                    bar.update()
+    bar.close()
+    return report
+
+
+def markdown(report: dict) -> str:
+    """One table: per policy and budget, streaming quality and mean passkey accuracy per protocol."""
+    protocols = sorted({r["protocol"] for r in report["passkey"]})
+    head = "| policy | budget | perplexity | top-1 agreement | KL | " + " | ".join(
+        f"passkey {p}" for p in protocols) + " |"
+    lines = [head, "|" + "---|" * (5 + len(protocols))]
+    for s in report["streaming"]:
+        accs = []
+        for p in protocols:
+            rows = [r["accuracy"] for r in report["passkey"]
+                    if r["policy"] == s["policy"] and r["budget"] == s["budget"] and r["protocol"] == p]
+            accs.append(f"{100 * sum(rows) / len(rows):.0f}%" if rows else "-")
+        lines.append(f"| {s['policy']} | {s['budget']:g} | {s['perplexity']:.2f} | "
+                     f"{100 * s['top1_agreement']:.1f}% | {s['kl']:.3f} | " + " | ".join(accs) + " |")
+    return "\n".join(lines) + "\n"
