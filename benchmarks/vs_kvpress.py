@@ -1,0 +1,562 @@
+"""kvcache against NVIDIA kvpress: the same compression methods on identical inputs, one process.
+
+Both engines run the same checkpoint in fp32 on the CPU: kvpress through transformers'
+``LlamaForCausalLM`` (the press as a context manager around the prefill forward, as kvpress's own
+pipeline does), kvcache through ``kvcache.load``. Every press is paired with its kvcache
+counterpart and both are given the same token ids:
+
+    kvpress press            kvcache policy (options)
+    (no press)               dense                                 sanity: must agree exactly
+    StreamingLLMPress        sink      (sinks=4, positions="absolute")
+    SnapKVPress              snapkv    (window=64, kernel=5, pooling="avg", fallback="tova")
+    TOVAPress                tova
+    ObservedAttentionPress   h2o       (recent=0, normalize=True)  kvpress needs eager attention
+    KnormPress               -         (kvpress only)
+    ExpectedAttentionPress   -         (kvpress only)
+
+Tasks (query-agnostic, kvpress's protocol: the context is compressed first, then the rest comes):
+    passkey     TaskMaker(stream, tokenizer, seed + length).passkey(length, depth=d) prompts; the
+                context is the prompt less its question (" What is the pass key? The pass key is");
+                the context is compressed at ratio r, then the question is fed and the answer
+                decoded greedily (exactly len(answer) tokens). Accuracy over depths x trials.
+    agreement   a held-out window of the texts: ``length`` tokens of context, compressed at ratio r,
+                then ``--continuation`` tokens teacher-forced; top-1 agreement and mean
+                KL(dense || compressed) of their next-token distributions against the same engine's
+                uncompressed forward of context + continuation.
+    wall-clock  one passkey prompt (prefill + compression + question + answer decode) per engine,
+                press and ratio, engines taking turns, best of ``--repeats``.
+
+Ratios are kvpress's ``compression_ratio`` (the fraction REMOVED). Both engines keep
+``int((1 - r) * context)`` context tokens (kvpress's ``compute_n_kept``); that is kvcache's
+``cache_length``. kvpress's DynamicCache then grows by the question and answer (or continuation)
+tokens, while kvcache's cache keeps its capacity and evicts by its policy as they arrive
+(see docs/vs_kvpress.md for what differs per pair).
+
+Set-up (kvpress 0.5.5 pins transformers < 5.3, so it gets its own virtual environment; kvcache
+installs into the same one, so both engines run in ONE process):
+
+    python3 -m venv /work/kvpress-venv
+    /work/kvpress-venv/bin/pip install torch==2.13.0          # CPU wheel; install torch FIRST
+    /work/kvpress-venv/bin/pip install kvpress==0.5.5 transformers==5.2.0
+    /work/kvpress-venv/bin/pip install safetensors tokenizers tqdm
+    /work/kvpress-venv/bin/pip install -e /work/main --no-deps
+
+Usage:
+    /work/kvpress-venv/bin/python benchmarks/vs_kvpress.py --model DIR [--texts evaluation/texts]
+        [--ratios 0.25,0.5,0.75] [--lengths 1024] [--depths 0,0.25,0.5,0.75,1] [--trials 4]
+        [--samples 4] [--continuation 64] [--repeats 3] [--presses NAME,...] [--quick]
+        [--out FILE.json] [--markdown FILE.md] [--threads 1]
+    /work/kvpress-venv/bin/python benchmarks/vs_kvpress.py --make-tiny DIR   # random test model
+
+Prints one JSON object on stdout (also to ``--out``); progress goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import platform
+import random
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import kvcache
+from kvcache.tasks import TaskMaker, read_texts
+
+ROOT = Path(__file__).resolve().parent.parent
+QUESTION = " What is the pass key? The pass key is"
+N_SINK = 4                   # StreamingLLMPress.n_sink default
+SNAP_WINDOW, SNAP_KERNEL = 64, 5  # SnapKVPress.window_size, kernel_size defaults
+
+
+@dataclass
+class Pair:
+    press: str                                 # kvpress class name, or "no press"
+    press_kwargs: dict = field(default_factory=dict)
+    policy: str | None = None                  # kvcache counterpart, None when there is none
+    options: dict = field(default_factory=dict)
+    eager: bool = False                        # kvpress needs the attention weights
+
+
+PAIRS = [
+    Pair("no press", policy="dense"),
+    Pair("StreamingLLMPress", {"n_sink": N_SINK}, "sink", {"sinks": N_SINK, "positions": "absolute"}),
+    Pair("SnapKVPress", {"window_size": SNAP_WINDOW, "kernel_size": SNAP_KERNEL}, "snapkv",
+         {"window": SNAP_WINDOW, "kernel": SNAP_KERNEL, "pooling": "avg", "fallback": "tova"}),
+    Pair("TOVAPress", {}, "tova", {}),
+    Pair("ObservedAttentionPress", {}, "h2o", {"recent": 0, "normalize": True}, eager=True),
+    Pair("KnormPress"),
+    Pair("ExpectedAttentionPress"),
+]
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def kept_tokens(context: int, ratio: float) -> int:
+    """kvpress's ``compute_n_kept``: int(k_len * (1 - ratio)), at least 1."""
+    return max(1, int(context * (1 - ratio)))
+
+
+# ---------------------------------------------------------------------------------------------
+# kvpress side: transformers model + press, the token-level path of KVPressTextGenerationPipeline
+
+
+def make_press(pair: Pair, ratio: float):
+    if pair.press == "no press":
+        return None
+    import kvpress
+
+    return getattr(kvpress, pair.press)(compression_ratio=ratio, **pair.press_kwargs)
+
+
+@contextlib.contextmanager
+def attention(hf, eager: bool):
+    """ObservedAttentionPress reads the attention weights, which only eager attention returns."""
+    if not eager:
+        yield
+        return
+    previous = hf.config._attn_implementation
+    hf.set_attn_implementation("eager")
+    try:
+        yield
+    finally:
+        hf.set_attn_implementation(previous)
+
+
+def kvpress_prefill(hf, press, context: torch.Tensor):
+    """pipeline.py ``_forward``: the press wraps the prefill of the context alone, run without
+    the lm head; the press's forward hooks compress each layer's DynamicCache in place."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    with press(hf) if press is not None else contextlib.nullcontext():
+        hf.model(input_ids=context, past_key_values=cache)
+    return cache
+
+
+@torch.inference_mode()
+def kvpress_answer(hf, press, context: torch.Tensor, question: torch.Tensor, n_new: int) -> list[int]:
+    """pipeline.py ``generate_answer``: the question at positions context_length.., then greedy
+    decode one token at a time at the following positions (no stop token: exactly n_new)."""
+    cache = kvpress_prefill(hf, press, context)
+    L = context.shape[1]
+    pos = torch.arange(L, L + question.shape[1]).unsqueeze(0)
+    logits = hf(input_ids=question, past_key_values=cache, position_ids=pos, logits_to_keep=1).logits
+    out = [logits[0, -1].argmax()]
+    pos = pos[:, -1:] + 1
+    for i in range(n_new - 1):
+        logits = hf(input_ids=out[-1].view(1, 1), past_key_values=cache, position_ids=pos + i).logits
+        out.append(logits[0, -1].argmax())
+    return [int(t) for t in out]
+
+
+@torch.inference_mode()
+def kvpress_continuation(hf, press, context: torch.Tensor, cont: torch.Tensor) -> torch.Tensor:
+    """(M, vocab) logits of the continuation, teacher-forced after the compressed context."""
+    cache = kvpress_prefill(hf, press, context)
+    L = context.shape[1]
+    pos = torch.arange(L, L + cont.shape[1]).unsqueeze(0)
+    return hf(input_ids=cont, past_key_values=cache, position_ids=pos).logits[0].float()
+
+
+# ---------------------------------------------------------------------------------------------
+# kvcache side
+
+
+def kvcache_cache(model, pair: Pair, kept: int, total: int):
+    if pair.policy == "dense":
+        return kvcache.make_cache(model, "dense", cache_length=total)
+    return kvcache.make_cache(model, pair.policy, cache_length=kept, **pair.options)
+
+
+def kvcache_answer(model, pair: Pair, prompt: list[int], context: int, kept: int, n_new: int) -> list[int]:
+    """Query-agnostic: the first prefill chunk is the context alone (compressed to ``kept`` as it
+    overflows), the second is the question; then greedy decode."""
+    cache = kvcache_cache(model, pair, kept, len(prompt) + n_new)
+    return kvcache.generate(model, prompt, max_new_tokens=n_new, cache=cache, stop_tokens=(),
+                            prefill_chunk=context)
+
+
+@torch.inference_mode()
+def kvcache_continuation(model, pair: Pair, context: torch.Tensor, cont: torch.Tensor, kept: int) -> torch.Tensor:
+    cache = kvcache_cache(model, pair, kept, context.shape[1] + cont.shape[1])
+    model(context, cache, last_only=True)
+    return model(cont, cache)[0].float()
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def compare(reference: torch.Tensor, logits: torch.Tensor) -> dict[str, float]:
+    """top-1 agreement and mean KL(reference || logits) over positions; both (M, vocab)."""
+    ref, lp = F.log_softmax(reference.float(), -1), F.log_softmax(logits.float(), -1)
+    return {"top1_agreement": (ref.argmax(-1) == lp.argmax(-1)).float().mean().item(),
+            "kl": (ref.exp() * (ref - lp)).sum(-1).mean().item()}
+
+
+def mean(xs):
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def best_time(fn, repeats: int) -> float:
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def skip_reason(pair: Pair, kept: int, context: int) -> str | None:
+    if pair.press == "SnapKVPress" and (kept <= SNAP_WINDOW or context <= SNAP_WINDOW):
+        return f"SnapKV's window ({SNAP_WINDOW}) needs more than {SNAP_WINDOW} kept tokens (kept {kept})"
+    if pair.press in ("StreamingLLMPress", "ExpectedAttentionPress") and kept <= N_SINK:
+        return f"{N_SINK} sinks need more than {N_SINK} kept tokens (kept {kept})"
+    return None
+
+
+def build_tasks(args, stream, tok):
+    """Passkey prompts per length (same keys for every press and engine) and agreement windows."""
+    q = len(tok.encode(QUESTION, add_special_tokens=False))
+    passkey = []
+    for n in args.lengths:
+        maker = TaskMaker(stream, tok, seed=args.seed + n)
+        for d in args.depths:
+            for t in range(args.trials):
+                prompt, answer = maker.passkey(n, depth=d)
+                passkey.append({"length": n, "depth": d, "trial": t, "prompt": prompt, "answer": answer,
+                                "context": len(prompt) - q})
+    rng = random.Random(args.seed)
+    start = [] if tok.bos_token_id is None else [tok.bos_token_id]
+    windows = []
+    for n in args.lengths:
+        for _ in range(args.samples):
+            body = n - len(start) + args.continuation
+            o = rng.randrange(0, len(stream) - body)
+            ids = start + stream[o : o + body].tolist()
+            windows.append({"length": n, "context": ids[:n], "continuation": ids[n:]})
+    return passkey, windows, q
+
+
+def run(args) -> dict:
+    import kvpress
+    import transformers
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    transformers.utils.logging.disable_progress_bar()
+    tok = kvcache.load_tokenizer(args.model)
+    model = kvcache.load(args.model, dtype=torch.float32)
+    hf = transformers.LlamaForCausalLM.from_pretrained(args.model, dtype=torch.float32,
+                                                       attn_implementation="sdpa").eval()
+    stream = read_texts(args.texts, tok)
+    passkey, windows, q_len = build_tasks(args, stream, tok)
+    log(f"{len(passkey)} passkey prompts, {len(windows)} agreement windows, question {q_len} tokens")
+
+    pairs = [p for p in PAIRS if args.presses is None or p.press in args.presses or
+             (p.press == "no press" and "dense" in args.presses)]
+
+    # Dense references per engine (the uncompressed model on context + continuation).
+    with torch.inference_mode():
+        ref_hf, ref_kv = [], []
+        for w in windows:
+            ids = torch.tensor([w["context"] + w["continuation"]])
+            L = len(w["context"])
+            ref_hf.append(hf(input_ids=ids).logits[0, L:].float())
+            ref_kv.append(model(ids)[0, L:].float())
+
+    report: dict = {
+        "setup": {
+            "model": str(args.model), "one_process": True, "threads": args.threads,
+            "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "kvpress": getattr(kvpress, "__version__", "0.5.5"),
+            "kvcache": kvcache.__version__, "dtype": "float32", "device": "cpu",
+            "kvpress_attention": "sdpa (eager for ObservedAttentionPress)",
+            "kept_tokens": "int((1 - ratio) * context), kvpress's compute_n_kept",
+        },
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "pairs": [{"press": p.press, "press_kwargs": p.press_kwargs, "policy": p.policy,
+                   "policy_options": p.options, "kvpress_eager": p.eager} for p in pairs],
+        "results": [],
+    }
+
+    timing_task = passkey[len(passkey) // 2]  # a mid-depth prompt of the first length
+    for pair in pairs:
+        ratios = [0.0] if pair.press == "no press" else args.ratios
+        for ratio in ratios:
+            press = make_press(pair, ratio)
+            row: dict = {"press": pair.press, "policy": pair.policy, "ratio": ratio}
+            t_cell = time.perf_counter()
+            contexts = [t["context"] for t in passkey] + [len(w["context"]) for w in windows]
+            reason = next((r for c in contexts if (r := skip_reason(pair, kept_tokens(c, ratio), c))), None)
+            if reason:
+                row["skipped"] = reason
+                report["results"].append(row)
+                log(f"{pair.press} r={ratio}: skipped ({reason})")
+                continue
+            engines = {"kvpress": {}, "kvcache": {} if pair.policy else None}
+            with attention(hf, pair.eager):
+                # passkey
+                per_task = []
+                for t in passkey:
+                    ctx, n_new = t["context"], len(t["answer"])
+                    kept = kept_tokens(ctx, ratio)
+                    prompt = torch.tensor([t["prompt"]])
+                    a_press = kvpress_answer(hf, press, prompt[:, :ctx], prompt[:, ctx:], n_new)
+                    entry = {"length": t["length"], "depth": t["depth"], "trial": t["trial"], "kept": kept,
+                             "kvpress": a_press == t["answer"]}
+                    if pair.policy:
+                        a_kv = kvcache_answer(model, pair, t["prompt"], ctx, kept, n_new)
+                        entry["kvcache"] = a_kv == t["answer"]
+                        entry["same_answer"] = a_kv == a_press
+                    per_task.append(entry)
+                # agreement
+                per_window = []
+                for w, rh, rk in zip(windows, ref_hf, ref_kv):
+                    ctx, cont = torch.tensor([w["context"]]), torch.tensor([w["continuation"]])
+                    kept = kept_tokens(ctx.shape[1], ratio)
+                    lp = kvpress_continuation(hf, press, ctx, cont)
+                    entry = {"length": w["length"], "kept": kept, "kvpress": compare(rh, lp)}
+                    if pair.policy:
+                        lk = kvcache_continuation(model, pair, ctx, cont, kept)
+                        entry["kvcache"] = compare(rk, lk)
+                        entry["cross_engine"] = compare(lp, lk)
+                        entry["max_abs_logit_diff"] = (lp - lk).abs().max().item()
+                    per_window.append(entry)
+                # wall-clock, engines taking turns
+                t = timing_task
+                ctx, n_new = t["context"], len(t["answer"])
+                kept = kept_tokens(ctx, ratio)
+                prompt = torch.tensor([t["prompt"]])
+                times = {"kvpress": math.inf, "kvcache": math.inf}
+                for _ in range(args.repeats):
+                    times["kvpress"] = min(times["kvpress"], best_time(partial(
+                        kvpress_answer, hf, press, prompt[:, :ctx], prompt[:, ctx:], n_new), 1))
+                    if pair.policy:
+                        times["kvcache"] = min(times["kvcache"], best_time(partial(
+                            kvcache_answer, model, pair, t["prompt"], ctx, kept, n_new), 1))
+            for name, out in engines.items():
+                if out is None:
+                    continue
+                out["passkey"] = mean([e[name] for e in per_task])
+                out["passkey_by_depth"] = {str(d): mean([e[name] for e in per_task if e["depth"] == d])
+                                           for d in args.depths}
+                out["top1_agreement"] = mean([e[name]["top1_agreement"] for e in per_window])
+                out["kl"] = mean([e[name]["kl"] for e in per_window])
+                out["seconds"] = times[name]
+            row.update(engines)
+            row["kept"] = sorted({e["kept"] for e in per_task})
+            row["timing_prompt"] = {"length": len(t["prompt"]), "context": ctx, "kept": kept, "new_tokens": n_new}
+            if pair.policy:
+                row["same_answer"] = mean([e["same_answer"] for e in per_task])
+                row["cross_engine_top1"] = mean([e["cross_engine"]["top1_agreement"] for e in per_window])
+                row["cross_engine_max_abs_logit_diff"] = max(e["max_abs_logit_diff"] for e in per_window)
+            row["passkey_tasks"] = per_task
+            row["agreement_windows"] = per_window
+            row["cell_seconds"] = time.perf_counter() - t_cell
+            report["results"].append(row)
+            kv = engines["kvcache"]
+            log(f"{pair.press:>22} r={ratio:<4g} passkey {engines['kvpress']['passkey']:.2f}"
+                + (f"/{kv['passkey']:.2f}" if kv else "")
+                + f"  top1 {engines['kvpress']['top1_agreement']:.3f}" + (f"/{kv['top1_agreement']:.3f}" if kv else "")
+                + f"  time {times['kvpress'] * 1e3:.0f}" + (f"/{times['kvcache'] * 1e3:.0f}" if kv else "")
+                + f" ms  (cell {row['cell_seconds']:.1f} s)")
+
+    dense = next((r for r in report["results"] if r["press"] == "no press"), None)
+    if dense is not None:
+        report["sanity"] = {
+            "dense_same_greedy_answers": dense["same_answer"],
+            "dense_cross_engine_top1": dense["cross_engine_top1"],
+            "dense_cross_engine_max_abs_logit_diff": dense["cross_engine_max_abs_logit_diff"],
+            "kvpress_dense_top1": dense["kvpress"]["top1_agreement"],
+            "kvcache_dense_top1": dense["kvcache"]["top1_agreement"],
+            "ok": dense["same_answer"] == 1.0 and dense["cross_engine_top1"] == 1.0
+                  and dense["kvpress"]["top1_agreement"] == 1.0 and dense["kvcache"]["top1_agreement"] == 1.0,
+        }
+    report["pipeline_check"] = pipeline_check(hf, args.model, pairs, passkey[0], args.ratios[0])
+    return report
+
+
+def pipeline_check(hf, model_dir, pairs, task, ratio) -> dict:
+    """kvpress's own KVPressTextGenerationPipeline._forward on the same ids must produce the answer
+    that the token-level replica above produces (checked for every press at one ratio)."""
+    from kvpress import KVPressTextGenerationPipeline
+    from transformers import PreTrainedTokenizerFast
+
+    hf_tok = PreTrainedTokenizerFast(tokenizer_file=str(Path(model_dir) / "tokenizer.json"),
+                                     clean_up_tokenization_spaces=False)
+    pipe = KVPressTextGenerationPipeline(model=hf, tokenizer=hf_tok)
+    ctx, n_new = task["context"], len(task["answer"])
+    prompt = torch.tensor([task["prompt"]])
+    eos = hf.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    checks = {}
+    for pair in pairs:
+        press = make_press(pair, 0.0 if pair.press == "no press" else ratio)
+        if skip_reason(pair, kept_tokens(ctx, ratio), ctx):
+            continue
+        with attention(hf, pair.eager), torch.inference_mode():
+            theirs = pipe._forward({"context_ids": prompt[:, :ctx], "questions_ids": [prompt[:, ctx:]]},
+                                   max_new_tokens=n_new, press=press)[0]
+            ours = kvpress_answer(hf, press, prompt[:, :ctx], prompt[:, ctx:], n_new)
+        cut = next((i + 1 for i, t in enumerate(ours) if t in eos), len(ours))
+        checks[pair.press] = theirs == hf_tok.decode(ours[:cut], skip_special_tokens=True)
+    return {"ratio": ratio, "matches": checks, "ok": all(checks.values())}
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def markdown(report: dict) -> str:
+    s = report["setup"]
+    a = report["args"]
+    lines = [
+        (f"kvcache vs kvpress {s['kvpress']} (transformers {s['transformers']}, torch {s['torch']}), "
+        f"model `{s['model']}`, fp32 CPU, {s['threads']} thread(s), one process. Passkey: lengths "
+        f"{a['lengths']}, depths {a['depths']}, {a['trials']} trial(s) each, query-agnostic. Agreement: "
+        f"{a['samples']} window(s) per length, {a['continuation']} continuation tokens, against each "
+        f"engine's own dense forward; 'top-1 kvcache vs kvpress' compares the two compressed engines "
+        f"directly. Time: one passkey prompt (prefill + compression + question + answer), best of "
+        f"{a['repeats']}; kvpress runs SDPA attention, eager for ObservedAttentionPress (which needs "
+        f"the weights). Differences are kvcache - kvpress, in points."),
+        "",
+        ("| kvpress press | kvcache policy | ratio | passkey kvpress | passkey kvcache | diff | "
+        "top-1 kvpress | top-1 kvcache | diff | top-1 kvcache vs kvpress | KL kvpress | KL kvcache | "
+        "time kvpress | time kvcache | kvpress / kvcache |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["results"]:
+        policy = r["policy"] or "-"
+        if r["policy"] and r["policy"] != "dense":
+            pair = next(p for p in report["pairs"] if p["press"] == r["press"])
+            opts = ", ".join(f"{k}={v}" for k, v in pair["policy_options"].items())
+            policy = f"{policy} ({opts})" if opts else policy
+        if "skipped" in r:
+            lines.append(f"| {r['press']} | {policy} | {r['ratio']:g} | skipped: {r['skipped']} |"
+                         + " |" * 11)
+            continue
+        p, k = r["kvpress"], r.get("kvcache")
+        cells = [r["press"], policy, f"{r['ratio']:g}", f"{100 * p['passkey']:.0f}%"]
+        if k:
+            cells += [f"{100 * k['passkey']:.0f}%", f"{100 * (k['passkey'] - p['passkey']):+.0f}"]
+        else:
+            cells += ["-", "-"]
+        cells.append(f"{100 * p['top1_agreement']:.1f}%")
+        if k:
+            cells += [f"{100 * k['top1_agreement']:.1f}%",
+                      f"{100 * (k['top1_agreement'] - p['top1_agreement']):+.1f}",
+                      f"{100 * r['cross_engine_top1']:.1f}%"]
+        else:
+            cells += ["-", "-", "-"]
+        cells += [f"{p['kl']:.4f}", f"{k['kl']:.4f}" if k else "-", f"{1e3 * p['seconds']:.1f} ms"]
+        cells += [f"{1e3 * k['seconds']:.1f} ms", f"{p['seconds'] / k['seconds']:.2f}x"] if k else ["-", "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    san = report.get("sanity")
+    if san:
+        lines += ["", (f"Sanity (ratio 0, transformers without a press vs kvcache dense): same greedy answers "
+                  f"{100 * san['dense_same_greedy_answers']:.0f}%, cross-engine top-1 "
+                  f"{100 * san['dense_cross_engine_top1']:.1f}%, max |logit diff| "
+                  f"{san['dense_cross_engine_max_abs_logit_diff']:.2e}: {'OK' if san['ok'] else 'FAILED'}.")]
+    pc = report.get("pipeline_check")
+    if pc:
+        lines.append(f"kvpress's own pipeline gives the same answers as this script's kvpress path "
+                     f"(ratio {pc['ratio']:g}): {'OK' if pc['ok'] else 'FAILED ' + str(pc['matches'])}.")
+    return "\n".join(lines) + "\n"
+
+
+def make_tiny(out: Path, tokenizer_dir: Path) -> None:
+    """A tiny random Llama (save_pretrained) with a real tokenizer copied next to it, for testing
+    the mechanics. Weights are scaled up from transformers' init so the logits are not near-ties."""
+    import transformers
+
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = json.loads((tokenizer_dir / "tokenizer.json").read_text())["model"]["vocab"]
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+        tie_word_embeddings=True, bos_token_id=0, eos_token_id=1)
+    hf = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3 if "embed" not in name else 1.0)
+    hf.save_pretrained(out)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / f, out / f)
+    log(f"wrote a random {sum(p.numel() for p in hf.parameters()) / 1e6:.2f}M-parameter Llama to {out}")
+
+
+def floats(s: str) -> list[float]:
+    return [float(x) for x in s.split(",") if x]
+
+
+def ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=ROOT / "kvcache" / "reference_model",
+                    help="Hugging Face-format checkpoint directory (default: kvcache/reference_model)")
+    ap.add_argument("--texts", type=Path, default=None, help="held-out .txt files (default: evaluation/texts)")
+    ap.add_argument("--ratios", type=floats, default=[0.25, 0.5, 0.75], help="kvpress compression_ratio values")
+    ap.add_argument("--lengths", type=ints, default=[1024])
+    ap.add_argument("--depths", type=floats, default=[0.0, 0.25, 0.5, 0.75, 1.0])
+    ap.add_argument("--trials", type=int, default=4)
+    ap.add_argument("--samples", type=int, default=4, help="agreement windows per length")
+    ap.add_argument("--continuation", type=int, default=64, help="teacher-forced tokens after the context")
+    ap.add_argument("--repeats", type=int, default=3, help="timing repeats (best is reported)")
+    ap.add_argument("--presses", type=lambda s: s.split(","), default=None,
+                    help="subset of: dense," + ",".join(p.press for p in PAIRS[1:]))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--quick", action="store_true",
+                    help="lengths 512, depth 0.5, 1 trial, 1 window of 32 continuation tokens, 1 repeat")
+    ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    ap.add_argument("--markdown", type=Path, default=None, help="write the Markdown table here")
+    ap.add_argument("--make-tiny", type=Path, default=None, metavar="DIR",
+                    help="write a tiny random Llama checkpoint to DIR and exit")
+    ap.add_argument("--tokenizer-from", type=Path, default=ROOT / "data" / "tokenizer",
+                    help="tokenizer.json + tokenizer_config.json to copy for --make-tiny")
+    args = ap.parse_args(argv)
+    if args.make_tiny:
+        make_tiny(args.make_tiny, args.tokenizer_from)
+        return
+    if args.quick:
+        args.lengths, args.depths, args.trials = [512], [0.5], 1
+        args.samples, args.continuation, args.repeats = 1, 32, 1
+    if args.texts is None:
+        args.texts = Path("evaluation/texts") if Path("evaluation/texts").is_dir() else ROOT / "evaluation" / "texts"
+    if not all(0 <= r < 1 for r in args.ratios):
+        ap.error("ratios are kvpress compression ratios in [0, 1)")
+    if not (args.model / "config.json").exists():
+        ap.error(f"{args.model} is not a checkpoint directory (no config.json)")
+    known = {"dense"} | {p.press for p in PAIRS[1:]}
+    if args.presses and set(args.presses) - known:
+        ap.error(f"unknown presses {sorted(set(args.presses) - known)}; choose from {sorted(known)}")
+    report = run(args)
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(markdown(report))
+        log(markdown(report))
+
+
+if __name__ == "__main__":
+    main()
