@@ -61,6 +61,14 @@ def _device(value: str) -> torch.device:
     return device
 
 
+def _dtype(name: str | None, device: torch.device) -> torch.dtype | None:
+    """The --dtype choice; by default float32 on CPU, whose half-precision kernels are slow
+    (the bundled model is stored in float16), and the checkpoint's own dtype elsewhere."""
+    if name is not None:
+        return DTYPES[name]
+    return torch.float32 if device.type == "cpu" else None
+
+
 def _names(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
@@ -89,7 +97,7 @@ def _eval(args: argparse.Namespace) -> None:
                                                "stream_tokens") if getattr(args, k) is not None}
     grid = Grid(**{**grid.__dict__, **overrides})
     tokenizer = load_tokenizer(args.model)
-    model = load(args.model)
+    model = load(args.model, dtype=torch.float32)
     stream = read_texts(args.texts, tokenizer)
     report = evaluate(model, tokenizer, stream, stream, grid, progress=sys.stderr.isatty())
     out = Path(args.out)
@@ -159,7 +167,7 @@ def _parser() -> argparse.ArgumentParser:
         "--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, metavar="N",
         help=f"prompt tokens per forward pass (default: {DEFAULT_PREFILL_CHUNK})",
     )
-    gen.add_argument("--dtype", choices=DTYPES, help="default: the checkpoint's")
+    gen.add_argument("--dtype", choices=DTYPES, help="default: float32 on CPU, the checkpoint's elsewhere")
     gen.add_argument("--device", type=_device, default="cpu", help="e.g. cpu, cuda, cuda:1 (default: cpu)")
 
     ev = commands.add_parser("eval", help="quality of policies against dense (perplexity, agreement, passkey)")
@@ -196,7 +204,7 @@ def _generate(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     tokenizer = load_tokenizer(args.model)
-    model = load(args.model, dtype=DTYPES.get(args.dtype), device=args.device)
+    model = load(args.model, dtype=_dtype(args.dtype, args.device), device=args.device)
     ids = tokenizer.encode(prompt)
     cache_length = len(ids) + args.max_new_tokens if args.cache_length is None else args.cache_length
     options = {k[4:]: v for k, v in vars(args).items() if k.startswith("opt_") and v is not None}

@@ -5,6 +5,9 @@ on attention to tokens far back:
     passkey   "The pass key is 48213. Remember it. 48213 is the pass key." at some depth;
               the sequence ends with "What is the pass key? The pass key is 48213."
     lookup    several "The code for Harriet is 5124." lines; the question names one of them.
+    repeat    (training only) a span of the text copied verbatim further on; every token of the
+              copy after its first is predictable by attending back, a dense signal for the
+              induction mechanism that retrieval needs.
 Pieces are tokenized separately and concatenated, the same way evaluation builds its prompts.
 """
 
@@ -76,12 +79,42 @@ class TaskMaker:
             prev = cut
         return out + fill[prev:] + question, answer
 
-    def batch(self, rows: int, length: int, retrieval_share: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """ids (rows, length + 1) and per-token loss weights (answers weigh ANSWER_WEIGHT)."""
+    def repeat(self, length: int, random_span: bool = False) -> tuple[list[int], int, int]:
+        """(tokens of ``length``, start, end): tokens[start:end] copies an earlier span.
+
+        With ``random_span`` the copied span is random token ids planted in the text, so nothing
+        but the earlier copy predicts it (as with a passkey's digits)."""
+        span = self.rng.randrange(8, max(9, length // 4))
+        fill = self.filler(length - (2 if random_span else 1) * span - len(self.start))
+        if random_span:
+            at = self.rng.randrange(0, len(fill) + 1)
+            planted = [self.rng.randrange(3, self.tok.vocab_size) for _ in range(span)]
+            fill = fill[:at] + planted + fill[at:]
+            src = at
+        else:
+            src = self.rng.randrange(0, len(fill) - span)
+        at = self.rng.randrange(src + span, len(fill) + 1)
+        seq = self.start + fill[:at] + fill[src : src + span] + fill[at:]
+        start = len(self.start) + at
+        return seq, start, start + span
+
+    def batch(self, rows: int, length: int, retrieval_share: float,
+              repeat_share: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids (rows, length + 1) and per-token loss weights (answers weigh ANSWER_WEIGHT).
+
+        A ``retrieval_share`` of the rows are passkey or lookup tasks, a ``repeat_share`` are
+        repeat tasks (the copy weighs ANSWER_WEIGHT), the rest plain text.
+        """
         ids = torch.empty(rows, length + 1, dtype=torch.long)
         weights = torch.ones(rows, length + 1)
         for r in range(rows):
-            if self.rng.random() >= retrieval_share:
+            draw = self.rng.random()
+            if draw < repeat_share:
+                seq, start, end = self.repeat(length + 1, random_span=self.rng.random() < 0.5)
+                ids[r] = torch.tensor(seq)
+                weights[r, start + 1 : end] = ANSWER_WEIGHT
+                continue
+            if draw >= repeat_share + retrieval_share:
                 ids[r] = self.stream[self._start(length + 1) :][: length + 1]
                 continue
             make = self.passkey if self.rng.random() < 0.5 else self.lookup

@@ -1,12 +1,17 @@
 """Train the bundled reference model: a small grouped-query Llama on public-domain English mixed
 with synthetic long-context retrieval tasks, so that retrieval depends on attention to far tokens.
 
-    python training/train.py --minutes 60 --out data/reference_model
+    python training/train.py --steps 3600 --out data/reference_model
 
 Reproducible: fixed seeds, the corpus and tokenizer from corpus.py and tokenizer.py. Writes a
-Hugging Face-format checkpoint (config.json, model.safetensors, tokenizer files) and the loss
-curve (loss.jsonl) to --out, checkpointing every few minutes so a run that is cut short still
-leaves a model.
+Hugging Face-format checkpoint (config.json, model.safetensors, tokenizer files), the loss curve
+(loss.jsonl: training records every few steps, held-out records every ``--eval-every`` seconds)
+and training.json to --out, checkpointing as it goes so a run that is cut short still leaves a
+model. ``--resume DIR`` continues from a checkpoint with a fresh schedule (fine-tuning at long
+context, say).
+
+On CUDA the forward and backward run under bfloat16 autocast with float32 master weights; on CPU
+everything is float32.
 """
 
 from __future__ import annotations
@@ -26,7 +31,6 @@ from safetensors.torch import save_file
 
 import kvcache
 from kvcache.config import ModelConfig, RopeConfig
-
 from kvcache.tasks import TaskMaker, read_texts
 
 ARCH = dict(
@@ -34,6 +38,11 @@ ARCH = dict(
     num_kv_heads=2, head_dim=32, rms_norm_eps=1e-5, tie_word_embeddings=True,
     max_position_embeddings=4096, model_type="llama", bos_token_id=0, eos_token_id=1,
 )
+ROPE_THETA = 10000.0
+# Context-length curriculum: (fraction of the steps at which a phase starts, lengths drawn from).
+# Short sequences teach the language cheaply, long ones teach retrieval across the whole window;
+# every phase keeps some shorter lengths so short contexts are not forgotten.
+CURRICULUM = ((0.0, (256, 512)), (0.2, (512, 1024)), (0.45, (1024, 2048)), (0.7, (1024, 2048, 2048)))
 
 
 def hf_config(cfg: ModelConfig) -> dict:
@@ -56,18 +65,74 @@ def save(model: kvcache.Transformer, out: Path, tokenizer_dir: Path) -> None:
         if name == "lm_head.weight" and model.config.tie_word_embeddings:
             continue
         key = name if name.startswith("lm_head") else f"model.{name}"
-        state[key] = t.detach().to(torch.float16).contiguous()
+        state[key] = t.detach().to("cpu", torch.float16).contiguous()
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf_config(model.config), indent=2) + "\n")
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(tokenizer_dir / f, out / f)
 
 
-def lr_at(step: int, total: int, peak: float, warmup: int = 100) -> float:
+def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
+    """Linear warm-up, then cosine decay to a tenth of the peak."""
     if step < warmup:
         return peak * (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def random_repeats(rows: int, length: int, vocab_size: int, rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids (rows, length + 1) of random tokens in which a random span occurs twice, at random
+    offsets and distances (a fixed distance would be solved by position alone); loss only on
+    the second copy, where nothing but attention to the first predicts the next token."""
+    ids = torch.randint(3, vocab_size, (rows, length + 1))
+    ids[:, 0] = 0
+    weights = torch.zeros(rows, length + 1)
+    for r in range(rows):
+        span = rng.randrange(8, length // 3)
+        first = rng.randrange(1, length + 1 - 2 * span)
+        second = rng.randrange(first + span, length + 2 - span)
+        ids[r, second : second + span] = ids[r, first : first + span]
+        weights[r, second + 1 : second + span] = 1.0
+    return ids, weights
+
+
+def lengths_at(frac: float) -> tuple[int, ...]:
+    return [lengths for start, lengths in CURRICULUM if frac >= start][-1]
+
+
+class HeldOut:
+    """Fixed evaluation batches: held-out text windows and passkeys at every depth.
+
+    Passkey accuracy is scored teacher-forced: a key counts as retrieved when every answer token
+    is the argmax, which is exactly when greedy decoding would produce it.
+    """
+
+    def __init__(self, texts: torch.Tensor, filler: torch.Tensor, tokenizer, length: int, n: int,
+                 device: torch.device) -> None:
+        starts = torch.linspace(0, len(texts) - length - 2, n).long()
+        self.text = torch.stack([texts[s : s + length + 1] for s in starts]).to(device)
+        tasks = TaskMaker(filler, tokenizer, seed=1234)
+        rows, spans = [], []
+        for i in range(n):
+            prompt, answer = tasks.passkey(length, depth=i / max(1, n - 1))
+            seq = prompt + answer
+            seq = seq + [0] * (length + 1 - len(seq))
+            rows.append(seq[: length + 1])
+            spans.append((len(prompt), len(prompt) + len(answer)))
+        self.passkey = torch.tensor(rows, device=device)
+        self.spans = spans
+
+    @torch.no_grad()
+    def __call__(self, model: kvcache.Transformer, autocast) -> dict[str, float]:
+        model.eval()
+        with autocast():
+            logits = model(self.text[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), self.text[:, 1:].flatten()).item()
+            pred = model(self.passkey[:, :-1]).argmax(-1)
+        hits = sum(bool((pred[r, a - 1 : b - 1] == self.passkey[r, a:b]).all()) for r, (a, b) in enumerate(self.spans))
+        model.train()
+        return {"heldout_loss": round(loss, 4), "heldout_ppl": round(math.exp(loss), 2),
+                "passkey": hits / len(self.spans)}
 
 
 def main() -> None:
@@ -75,71 +140,129 @@ def main() -> None:
     parser.add_argument("--corpus", default="data/corpus")
     parser.add_argument("--tokenizer", default="data/tokenizer")
     parser.add_argument("--out", default="data/reference_model")
-    parser.add_argument("--minutes", type=float, default=60.0, help="wall-clock training budget")
-    parser.add_argument("--batch-tokens", type=int, default=4096)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--retrieval-share", type=float, default=0.6)
+    parser.add_argument("--resume", metavar="DIR", help="start from this checkpoint's weights")
+    parser.add_argument("--steps", type=int, default=3600, help="optimizer steps (the schedule's length)")
+    parser.add_argument("--minutes", type=float, default=None,
+                        help="wall-clock cap: stop (and save) early if the steps take longer")
+    parser.add_argument("--batch-tokens", type=int, default=4096, help="tokens per optimizer step")
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--warmup", type=int, default=100, help="warm-up steps")
+    parser.add_argument("--retrieval-share", type=float, default=0.45,
+                        help="fraction of rows that are passkey or lookup tasks")
+    parser.add_argument("--repeat-share", type=float, default=0.25,
+                        help="fraction of rows that repeat a span of text (an induction task)")
+    parser.add_argument("--induction", action="store_true",
+                        help="train only on repeated random token sequences of 128 tokens (forms the "
+                             "copying mechanism retrieval needs; a short stage of its own)")
+    parser.add_argument("--induction-vocab", type=int, default=512,
+                        help="random tokens of the induction stage are drawn from ids below this")
+    parser.add_argument("--long-only", action="store_true", help="skip the curriculum: 2048 tokens throughout")
+    parser.add_argument("--eval-every", type=float, default=600.0, help="seconds between held-out evaluations")
+    parser.add_argument("--eval-rows", type=int, default=16, help="held-out text windows and passkeys")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads (CPU training only)")
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+
+    def autocast():
+        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda)
+
     tokenizer = kvcache.load_tokenizer(args.tokenizer)
-    tasks = TaskMaker(read_texts(Path(args.corpus) / "train", tokenizer), tokenizer, seed=args.seed)
-    cfg = ModelConfig(rope=RopeConfig(theta=10000.0), **ARCH)
-    model = kvcache.Transformer(cfg)
-    for name, p in model.named_parameters():
-        if p.dim() == 2:
-            torch.nn.init.normal_(p, std=0.02)
+    filler = read_texts(Path(args.corpus) / "train", tokenizer)
+    tasks = TaskMaker(filler, tokenizer, seed=args.seed)
+    held_out = HeldOut(read_texts(Path(args.corpus) / "test", tokenizer), filler, tokenizer, 2048, args.eval_rows, device)
+    if args.resume:
+        model = kvcache.load(args.resume, dtype=torch.float32, device=device)
+        cfg = model.config
+    else:
+        cfg = ModelConfig(rope=RopeConfig(theta=ROPE_THETA), **ARCH)
+        model = kvcache.Transformer(cfg)
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                torch.nn.init.normal_(p, std=0.02)
+        # Scale the residual-branch outputs down with depth (GPT-2), so the sum of branches keeps
+        # unit scale at initialisation.
+        for block in model.layers:
+            for p in (block.self_attn.o_proj.weight, block.mlp.down_proj.weight):
+                torch.nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.num_layers))
+        model.to(device)
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"{n_params / 1e6:.2f}M parameters on {device}", file=sys.stderr, flush=True)
+    decay = [p for p in model.parameters() if p.dim() == 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr, betas=(0.9, 0.95), fused=cuda,
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log = open(out / "loss.jsonl", "w")
-    budget = args.minutes * 60
+
+    def record(entry: dict) -> None:
+        log.write(json.dumps(entry) + "\n")
+        log.flush()
+        print(entry, file=sys.stderr, flush=True)
+
+    record({"step": 0, "seconds": 0.0, **held_out(model, autocast)})
+    budget = math.inf if args.minutes is None else args.minutes * 60
     start = time.time()
-    # Step count is unknown in advance (a time budget); plan the schedule for an estimate and
-    # stretch it once the step time is known.
-    planned = 10_000
-    step = 0
-    last_save = start
-    while time.time() - start < budget:
-        # Context length grows over training: short sequences teach the language cheaply, long
-        # ones teach retrieval across the whole 2k window.
-        frac = (time.time() - start) / budget
-        length = random.choice([256, 512] if frac < 0.3 else [512, 1024] if frac < 0.6 else [1024, 2048])
+    step, tokens_seen = 0, 0
+    last_save = last_eval = start
+    while step < args.steps and time.time() - start < budget:
+        frac = step / args.steps
+        length = 2048 if args.long_only else random.choice(lengths_at(frac))
+        if args.induction:
+            length = 128
         rows = max(1, args.batch_tokens // length)
-        ids, weights = tasks.batch(rows, length, args.retrieval_share)
-        lr = lr_at(step, planned, args.lr)
+        if args.induction:
+            ids, weights = random_repeats(rows, length, min(args.induction_vocab, cfg.vocab_size), tasks.rng)
+        else:
+            ids, weights = tasks.batch(rows, length, args.retrieval_share, args.repeat_share)
+        ids = ids.to(device, non_blocking=True)
+        weights = weights.to(device, non_blocking=True)
+        lr = lr_at(step, args.steps, args.lr, args.warmup)
         for g in optimizer.param_groups:
             g["lr"] = lr
-        logits = model(ids[:, :-1])
-        loss_tok = F.cross_entropy(logits.reshape(-1, cfg.vocab_size).float(), ids[:, 1:].reshape(-1), reduction="none")
-        w = weights[:, 1:].reshape(-1)
+        with autocast():
+            logits = model(ids[:, :-1])
+        loss_tok = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="none")
+        w = weights[:, 1:].flatten()
         loss = (loss_tok * w).sum() / w.sum()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         step += 1
+        tokens_seen += ids[:, :-1].numel()
         elapsed = time.time() - start
-        if step == 20:
-            planned = int(budget / (elapsed / step) * 0.95)
         if step % 10 == 0:
-            record = {"step": step, "seconds": round(elapsed, 1), "length": length, "lr": lr,
-                      "loss": round(loss.item(), 4), "lm_loss": round(loss_tok.mean().item(), 4)}
-            log.write(json.dumps(record) + "\n")
-            log.flush()
-            print(record, file=sys.stderr, flush=True)
-        if time.time() - last_save > 300:
+            record({"step": step, "seconds": round(elapsed, 1), "tokens": tokens_seen, "length": length,
+                    "lr": round(lr, 6), "loss": round(loss.item(), 4), "lm_loss": round(loss_tok.mean().item(), 4)})
+        if time.time() - last_eval > args.eval_every:
+            record({"step": step, "seconds": round(time.time() - start, 1), **held_out(model, autocast)})
+            last_eval = time.time()
+        if time.time() - last_save > 120:
             save(model, out, Path(args.tokenizer))
             last_save = time.time()
+    final = held_out(model, autocast)
+    record({"step": step, "seconds": round(time.time() - start, 1), **final})
     save(model, out, Path(args.tokenizer))
     (out / "training.json").write_text(json.dumps({
-        "steps": step, "seconds": round(time.time() - start), "batch_tokens": args.batch_tokens,
-        "lr": args.lr, "retrieval_share": args.retrieval_share, "seed": args.seed, "arch": ARCH,
+        "steps": step, "planned_steps": args.steps, "tokens": tokens_seen, "seconds": round(time.time() - start),
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu", "parameters": n_params,
+        "batch_tokens": args.batch_tokens, "lr": args.lr, "warmup": args.warmup,
+        "induction": args.induction, "induction_vocab": args.induction_vocab if args.induction else None,
+        "retrieval_share": args.retrieval_share, "repeat_share": args.repeat_share, "curriculum": None if args.long_only else CURRICULUM,
+        "resumed_from": args.resume, "seed": args.seed, "config": hf_config(cfg), "final": final,
     }, indent=2) + "\n")
 
 
