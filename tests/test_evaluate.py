@@ -90,6 +90,28 @@ def test_batches_weight_the_answers(setup):
     assert (weights == 1).all()
 
 
+@pytest.mark.parametrize("random_span", [False, True])
+def test_repeat_copies_an_earlier_span(setup, random_span):
+    *_, tokenizer, stream = setup
+    tasks = TaskMaker(stream, tokenizer, seed=3)
+    for length in (64, 200):
+        seq, start, end = tasks.repeat(length, random_span=random_span)
+        assert len(seq) == length and seq[0] == tokenizer.bos_token_id
+        copy = seq[start:end]
+        assert end - start >= 8
+        assert any(seq[i : i + len(copy)] == copy for i in range(1, start - len(copy) + 1))
+
+
+def test_batches_weight_the_copies_of_repeats(setup):
+    *_, tokenizer, stream = setup
+    ids, weights = TaskMaker(stream, tokenizer, seed=4).batch(4, 128, retrieval_share=0.0, repeat_share=1.0)
+    for row, w in zip(ids.tolist(), weights):
+        marked = (w == ANSWER_WEIGHT).nonzero().flatten().tolist()
+        assert marked == list(range(marked[0], marked[-1] + 1))  # one contiguous copy
+        span = row[marked[0] - 1 : marked[-1] + 1]  # its first token is not weighted: unpredictable
+        assert any(row[i : i + len(span)] == span for i in range(marked[0] - len(span)))
+
+
 def test_streaming_dense_is_the_plain_forward(setup):
     _, _, model, _, stream = setup
     ids = stream[None, :96]
