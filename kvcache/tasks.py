@@ -84,6 +84,8 @@ class TaskMaker:
 
         With ``random_span`` the copied span is random token ids planted in the text, so nothing
         but the earlier copy predicts it (as with a passkey's digits)."""
+        if length < 32:
+            raise ValueError(f"repeat needs length >= 32 (two spans of at least 8 tokens and text), got {length}")
         span = self.rng.randrange(8, max(9, length // 4))
         fill = self.filler(length - (2 if random_span else 1) * span - len(self.start))
         if random_span:
@@ -105,6 +107,11 @@ class TaskMaker:
         A ``retrieval_share`` of the rows are passkey or lookup tasks, a ``repeat_share`` are
         repeat tasks (the copy weighs ANSWER_WEIGHT), the rest plain text.
         """
+        if min(retrieval_share, repeat_share) < 0 or retrieval_share + repeat_share > 1:
+            raise ValueError(
+                f"retrieval_share ({retrieval_share}) and repeat_share ({repeat_share}) must be "
+                "non-negative and sum to at most 1"
+            )
         ids = torch.empty(rows, length + 1, dtype=torch.long)
         weights = torch.ones(rows, length + 1)
         for r in range(rows):

@@ -112,6 +112,17 @@ def test_batches_weight_the_copies_of_repeats(setup):
         assert any(row[i : i + len(span)] == span for i in range(marked[0] - len(span)))
 
 
+def test_bad_task_arguments_are_rejected(setup):
+    *_, tokenizer, stream = setup
+    tasks = TaskMaker(stream, tokenizer, seed=0)
+    with pytest.raises(ValueError, match="length >= 32"):
+        tasks.repeat(16)
+    with pytest.raises(ValueError, match="sum to at most 1"):
+        tasks.batch(2, 64, retrieval_share=0.7, repeat_share=0.5)
+    with pytest.raises(ValueError, match="non-negative"):
+        tasks.batch(2, 64, retrieval_share=-0.1)
+
+
 def test_streaming_dense_is_the_plain_forward(setup):
     _, _, model, _, stream = setup
     ids = stream[None, :96]

@@ -219,9 +219,7 @@ def main() -> None:
     last_save = last_eval = start
     while step < args.steps and time.time() - start < budget:
         frac = step / args.steps
-        length = 2048 if args.long_only else random.choice(lengths_at(frac))
-        if args.induction:
-            length = 128
+        length = 128 if args.induction else 2048 if args.long_only else random.choice(lengths_at(frac))
         rows = max(1, args.batch_tokens // length)
         if args.induction:
             ids, weights = random_repeats(rows, length, min(args.induction_vocab, cfg.vocab_size), tasks.rng)
