@@ -157,6 +157,9 @@ def main() -> None:
     parser.add_argument("--induction-vocab", type=int, default=512,
                         help="random tokens of the induction stage are drawn from ids below this")
     parser.add_argument("--long-only", action="store_true", help="skip the curriculum: 2048 tokens throughout")
+    parser.add_argument("--lengths", type=lambda s: tuple(int(x) for x in s.split(",")),
+                        help="skip the curriculum: draw each step's length from these (comma-separated)")
+    parser.add_argument("--eval-length", type=int, default=2048, help="tokens per held-out window and passkey")
     parser.add_argument("--eval-every", type=float, default=600.0, help="seconds between held-out evaluations")
     parser.add_argument("--eval-rows", type=int, default=16, help="held-out text windows and passkeys")
     parser.add_argument("--seed", type=int, default=0)
@@ -178,7 +181,8 @@ def main() -> None:
     tokenizer = kvcache.load_tokenizer(args.tokenizer)
     filler = read_texts(Path(args.corpus) / "train", tokenizer)
     tasks = TaskMaker(filler, tokenizer, seed=args.seed)
-    held_out = HeldOut(read_texts(Path(args.corpus) / "test", tokenizer), filler, tokenizer, 2048, args.eval_rows, device)
+    held_out = HeldOut(read_texts(Path(args.corpus) / "test", tokenizer), filler, tokenizer, args.eval_length,
+                       args.eval_rows, device)
     if args.resume:
         model = kvcache.load(args.resume, dtype=torch.float32, device=device)
         cfg = model.config
@@ -219,7 +223,12 @@ def main() -> None:
     last_save = last_eval = start
     while step < args.steps and time.time() - start < budget:
         frac = step / args.steps
-        length = 128 if args.induction else 2048 if args.long_only else random.choice(lengths_at(frac))
+        if args.induction:
+            length = 128
+        elif args.lengths:
+            length = random.choice(args.lengths)
+        else:
+            length = 2048 if args.long_only else random.choice(lengths_at(frac))
         rows = max(1, args.batch_tokens // length)
         if args.induction:
             ids, weights = random_repeats(rows, length, min(args.induction_vocab, cfg.vocab_size), tasks.rng)
@@ -259,7 +268,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(device) if cuda else "cpu", "parameters": n_params,
         "batch_tokens": args.batch_tokens, "lr": args.lr, "warmup": args.warmup,
         "induction": args.induction, "induction_vocab": args.induction_vocab if args.induction else None,
-        "retrieval_share": args.retrieval_share, "repeat_share": args.repeat_share, "curriculum": None if args.long_only else CURRICULUM,
+        "retrieval_share": args.retrieval_share, "repeat_share": args.repeat_share, "curriculum": None if args.long_only or args.lengths else CURRICULUM, "lengths": args.lengths,
         "resumed_from": args.resume, "seed": args.seed, "config": hf_config(cfg), "final": final,
     }, indent=2) + "\n")
 

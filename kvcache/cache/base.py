@@ -20,7 +20,7 @@ so a rejected chunk leaves the cache as it was.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -67,6 +67,9 @@ class Step:
     uniform:    every row has the same start and no padding, so writes can be plain slices.
     span_end:   max over rows of start + n_tokens: the most tokens any row has seen after the chunk.
     min_start:  min over rows of start.
+    decode:     one real token in every row (T == 1, no padding): the decode step.
+    shared:     values that every layer would compute alike for this call (rotation angles, say),
+                computed by the first layer that needs them; keyed by whoever computes them.
     """
 
     positions: torch.Tensor
@@ -80,6 +83,8 @@ class Step:
     uniform: bool
     span_end: int
     min_start: int
+    decode: bool
+    shared: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -174,6 +179,7 @@ class KVCache:
             uniform=all_full and min_start == max_start,
             span_end=max_start + T if all_full else int((start + n).max()),
             min_start=min_start,
+            decode=T == 1 and all_full,
         )
         for layer in self.layers:
             layer.check(step)

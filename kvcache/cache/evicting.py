@@ -96,7 +96,7 @@ class EvictingCache(LayerCache):
         return None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
-        if step.num_tokens == 1 and bool((step.n_tokens == 1).all()):
+        if step.decode:
             return self._decode(q, k, v, step)
         return self._chunk(q, k, v, step)
 

@@ -42,20 +42,23 @@ class RingCache(EvictingCache):
     def _decode(self, q, k, v, step: Step) -> torch.Tensor:
         C = self.spec.cache_length
         store = self.storage
-        # The host knows every row's position, so the slot is computed without a device round trip.
         if step.uniform:
-            store.write_slice(int(self.slot(torch.tensor(step.start0))), k, v, step.positions)
+            # Every row is at the same position, known on the host: a plain slice write, no index math on tensors.
+            p, S = step.start0, self.sinks()
+            store.write_slice(p if p < S else S + (p - S) % (C - S), k, v, step.positions)
         else:
             store.write(self.slot(step.start).to(k.device)[:, None], k, v, step.positions)
         span = min(C, step.span_end)
         ks, vs, pos = store.view(span)
-        full = step.min_start + 1 >= C
-        visible = None
-        if not full or self.spec.window is not None:
-            visible = attention.visibility(step.positions, pos, self.window(), self.sinks(), self.spec.window)[:, :, 0]
-        q_sink = self._sink_queries(q, step)
-        if visible is None and q_sink is None:
-            # Every slot holds one of the newest positions: the dense decode call applies.
+        if step.min_start + 1 >= C and self.spec.window is None:
+            # Every slot holds one of each row's newest positions: the dense decode call applies,
+            # once the keys are as the policy wants them scored.
+            self._prepare_full(ks, step)
             return attention.masked(q, ks, vs, step.positions, pos, all_visible=True)
+        visible = attention.visibility(step.positions, pos, self.window(), self.sinks(), self.spec.window)[:, :, 0]
+        q_sink = self._sink_queries(q, step)
         out, _ = attention.decode(q, ks, vs, visible, q_sink=q_sink, sink_slots=self.sinks())
         return out
+
+    def _prepare_full(self, ks: torch.Tensor, step: Step) -> None:
+        """Adjust the attended keys ``ks`` (B, Hkv, C, D) of a decode step over full rows (in place)."""

@@ -89,6 +89,33 @@ def test_renumbered_equals_forward_of_kept_tokens(one_layer):
             assert diff <= ATOL, f"query {p}: {diff:.3g}"
 
 
+@pytest.mark.parametrize("storage", ["full", "int8"])
+def test_renumbered_decode_then_chunk_then_decode(one_layer, storage):
+    """Decode steps over full rows score rotated copies of the sinks; a chunk after them, and the
+    decode steps after that, still see the sinks as stored (exact forward of the kept tokens at
+    full precision; for int8, the same logits as feeding every token one at a time)."""
+    schedule = [PREFILL] + [1] * 12 + [5] + [1] * 6 + [3, 1, 1]
+    ids = ids_for(sum(schedule), seed=5, vocab=one_layer.config.vocab_size)
+    name = "sink" if storage == "full" else f"sink:{storage}"
+
+    def run(schedule):
+        cache = kvcache.make_cache(one_layer, name, cache_length=C, sinks=SINKS)
+        logits, fed = [], 0
+        for n in schedule:
+            logits.append(one_layer(ids[:, fed : fed + n], cache)[0])
+            fed += n
+        return torch.cat(logits)
+
+    with torch.inference_mode():
+        got = run(schedule)
+        if storage == "full":
+            for p in range(len(got)):
+                want = one_layer(ids[:, expected_sink_positions(p + 1, C, SINKS)])[0, -1]
+                assert max_diff(got[p], want) <= ATOL, f"query {p}"
+        else:
+            assert max_diff(got, run([1] * len(got))) <= 1e-5
+
+
 def test_absolute_is_not_the_forward_of_kept_tokens(one_layer):
     """The same comparison discriminates: absolute positions agree only until the window fills."""
     ids, cache, steps = _issue_35350(one_layer, "absolute")

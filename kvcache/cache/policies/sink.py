@@ -6,15 +6,18 @@ Position modes:
     renumbered  positions are assigned within the cache, as in the paper: the sinks keep 0..S-1
                 and the recent keys follow contiguously, so no distance exceeds ``cache_length``.
 
-Renumbering is exact and rotates nothing in the cache. Keys are stored rotated at their true
+Renumbering is exact and never rotates a key twice. Keys are stored rotated at their true
 positions. Once a row has seen more than ``cache_length`` tokens, a query at p is assigned
 p - shift with shift = p - (cache_length - 1), and so are the recent keys (p' - shift); their
 relative distance, which is all RoPE scores depend on, is unchanged, so they are scored as
-stored. Only the distance to a sink changes (from p - s to p - shift - s), which equals scoring
-the sink, stored at s, with the query rotated once to p - shift. That query rotation is done
-from the query's true position each step, never accumulated. (Exact up to the float32 rounding
-of RoPE angles, which every implementation shares: at position 1e5 the logits of a renumbered
-step differ from re-embedding the kept tokens from scratch by about 1e-3.)
+stored. Only the distance to a sink changes (from p - s to p - shift - s). The decode step over
+full rows scores the sinks rotated once, from their stored position s, to s + shift (the same
+distance); the stored sinks are kept aside while the slots hold the rotated copies, and put back
+before anything else reads the slots. A chunk, or a row not yet full, scores the sinks with the
+query rotated once to p - shift instead. Both rotations start from stored values every step and
+are never accumulated. (Exact up to the float32 rounding of RoPE angles, which every
+implementation shares: at position 1e5 the logits of a renumbered step differ from re-embedding
+the kept tokens from scratch by about 1e-3.)
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ class SinkCache(RingCache):
         if options.positions == "renumbered" and spec.inv_freq is None:
             raise ValueError("renumbered sink positions need the model's rotary frequencies (spec.inv_freq)")
         super().__init__(spec, options)
+        # (B, Hkv, sinks, D): the sinks as stored, while the slots hold them rotated for decoding.
+        self._stored_sinks: torch.Tensor | None = None
 
     def window(self) -> int | None:
         return self.spec.cache_length - self.options.sinks
@@ -83,6 +88,39 @@ class SinkCache(RingCache):
         # q: (B, Hq, T, D) rotated at p; rotate by -shift to p - shift for scoring sinks.
         cos, sin = rope_angles(self.spec.inv_freq, -self.shift(step.positions), q.dtype)
         return apply_rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
+
+    def _prepare_full(self, ks: torch.Tensor, step: Step) -> None:
+        S = self.options.sinks
+        if self.options.positions == "absolute" or S == 0:
+            return
+        if self._stored_sinks is None:
+            self._stored_sinks = ks[:, :, :S].clone()
+        # One rotation per step, shared by every layer of this cache length: +shift, per row.
+        key = ("sink_shift_rotation", self.spec.cache_length)
+        if key not in step.shared:
+            cos, sin = rope_angles(self.spec.inv_freq, self.shift(step.positions), ks.dtype)  # (B, 1, D)
+            step.shared[key] = cos.unsqueeze(1), sin.unsqueeze(1)
+        ks[:, :, :S] = apply_rope(self._stored_sinks, *step.shared[key])
+
+    def _restore_sinks(self) -> None:
+        """Put the stored sinks back in their slots. A full-precision ``view`` is the buffer itself,
+        which the rotated copies overwrote; a quantized one is a fresh decode, where this is a no-op."""
+        if self._stored_sinks is not None:
+            self.storage.view(self.options.sinks)[0].copy_(self._stored_sinks)
+            self._stored_sinks = None
+
+    def _decode(self, q, k, v, step: Step) -> torch.Tensor:
+        if step.min_start + 1 < self.spec.cache_length:
+            self._restore_sinks()
+        return super()._decode(q, k, v, step)
+
+    def _chunk(self, q, k, v, step: Step) -> torch.Tensor:
+        self._restore_sinks()
+        return super()._chunk(q, k, v, step)
+
+    def reset(self) -> None:
+        self._stored_sinks = None
+        super().reset()
 
     def priority(self, stat, pos: torch.Tensor, step: Step) -> torch.Tensor:
         prio = pos.float() + PROTECTED * (pos < self.options.sinks)
