@@ -67,6 +67,7 @@ class Step:
     uniform:    every row has the same start and no padding, so writes can be plain slices.
     span_end:   max over rows of start + n_tokens: the most tokens any row has seen after the chunk.
     min_start:  min over rows of start.
+    start0:     start of row 0 (the start of every row when ``uniform``).
     decode:     one real token in every row (T == 1, no padding): the decode step.
     shared:     values that every layer would compute alike for this call (rotation angles, say),
                 computed by the first layer that needs them; keyed by whoever computes them.
@@ -83,6 +84,7 @@ class Step:
     uniform: bool
     span_end: int
     min_start: int
+    start0: int
     decode: bool
     shared: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -91,10 +93,6 @@ class Step:
         """T, the chunk length including padding."""
         return self.positions.shape[1]
 
-    @property
-    def start0(self) -> int:
-        """Start of row 0 (the start of every row when ``uniform``)."""
-        return int(self.start[0])
 
 
 class LayerCache(ABC):
@@ -179,6 +177,7 @@ class KVCache:
             uniform=all_full and min_start == max_start,
             span_end=max_start + T if all_full else int((start + n).max()),
             min_start=min_start,
+            start0=int(start[0]),
             decode=T == 1 and all_full,
         )
         for layer in self.layers:

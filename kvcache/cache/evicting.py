@@ -6,7 +6,7 @@ A policy is a subclass that says three things:
     ``observe``           what to remember from the attention the cache computed anyway (optional),
     ``priority``          (B, Hp, N) float per candidate; the top ``cache_length`` stay.
 Hp is 1 when all K/V heads of a row keep the same tokens (``per_head = False``) and Hkv when each
-head keeps its own. Empty candidates (position -1) must get the lowest priority.
+head keeps its own. Empty candidates (position -1) rank lowest whatever their priority says.
 
 Two paths, with the same semantics:
     decode  one token per row and no padding: the new token goes to the scratch slot
@@ -53,10 +53,9 @@ class EvictingCache(LayerCache):
         super().__init__(spec, options)
         self.storage = make_storage(spec, per_head=self.per_head)
         Hp = self.storage.pos.shape[1]
-        self.stat = {
-            name: torch.zeros(spec.batch_size, Hp, spec.cache_length + 1, device=spec.device)
-            for name in self.stats
-        }
+        # One buffer for all statistics, so the decode step clears and moves them in one call each.
+        self._stats = torch.zeros(len(self.stats), spec.batch_size, Hp, spec.cache_length + 1, device=spec.device)
+        self.stat = dict(zip(self.stats, self._stats.unbind(0)))
 
     # ----- what a policy defines -------------------------------------------------------------
     def window(self) -> int | None:
@@ -81,7 +80,8 @@ class EvictingCache(LayerCache):
 
     @abstractmethod
     def priority(self, stat: dict[str, torch.Tensor], pos: torch.Tensor, step: Step) -> torch.Tensor:
-        """(B, Hp, N) priority of each candidate at positions ``pos`` (B, Hp, N); -inf if empty."""
+        """(B, Hp, N) priority of each candidate at positions ``pos`` (B, Hp, N) (-1: empty, which
+        the caller ranks lowest, so a policy need not)."""
 
     # ----- shared machinery ------------------------------------------------------------------
     def _attend(self, q, k, v, q_pos, k_pos, step: Step, q_sink=None):
@@ -104,25 +104,29 @@ class EvictingCache(LayerCache):
         C = self.spec.cache_length
         store = self.storage
         store.write_slice(C, k, v, step.positions)
-        for s in self.stat.values():
-            s[:, :, C] = 0.0
+        self._stats[..., C] = 0.0
         ks, vs, pos = store.view(C + 1)
+        # Once every row has seen C tokens no slot is empty.
+        full = step.min_start >= C
         if self.window() is None and self.spec.window is None:
-            # Only empty slots are hidden, and once every row has seen C tokens there are none.
-            visible = None if step.min_start >= C else pos >= 0
+            # Only empty slots are hidden.
+            visible = None if full else pos >= 0
         else:
             visible = attention.visibility(step.positions, pos, self.window(), self.sinks(), self.spec.window)[:, :, 0]
         out, mass = attention.decode(q, ks, vs, visible, want_mass=self.needs_attention)
         if mass is not None:
             self.observe(self.stat, mass, 1.0 if visible is None else visible.float(), pos, vs, step)
         prio = self.priority(self.stat, pos, step)
+        if not full:
+            prio = prio.masked_fill(pos < 0, EMPTY)
         # Among equally low priorities evict the oldest, so what is kept depends on positions,
         # never on slot order (which differs between a row alone and in a ragged batch).
-        lowest = prio == prio.min(-1, keepdim=True).values
+        lowest = prio == prio.amin(-1, keepdim=True)
         victim = torch.where(lowest, pos, torch.iinfo(torch.long).max).argmin(-1, keepdim=True)  # (B, Hp, 1)
         store.move(C, victim)
-        for s in self.stat.values():
-            s.scatter_(2, victim, s[:, :, C : C + 1].clone())
+        if self.stats:
+            n, B, Hp, _ = self._stats.shape
+            self._stats.scatter_(3, victim.expand(n, B, Hp, 1), self._stats[..., C : C + 1].clone())
         return out
 
     def _chunk(self, q, k, v, step: Step) -> torch.Tensor:
@@ -150,7 +154,7 @@ class EvictingCache(LayerCache):
     def _keep(self, cand_k, cand_v, cand_pos, stat, step: Step) -> None:
         """Gather the top-priority ``cache_length`` candidates back into the buffers."""
         C = self.spec.cache_length
-        prio = self.priority(stat, cand_pos, step)
+        prio = self.priority(stat, cand_pos, step).masked_fill(cand_pos < 0, EMPTY)
         # Newest first, then a stable sort by priority: ties keep the newer token, whatever the slot order.
         by_age = cand_pos.argsort(dim=-1, descending=True, stable=True)
         ranked = prio.gather(2, by_age).sort(dim=-1, descending=True, stable=True).indices
@@ -161,11 +165,10 @@ class EvictingCache(LayerCache):
 
     def reset(self) -> None:
         self.storage.reset()
-        for s in self.stat.values():
-            s.zero_()
+        self._stats.zero_()
 
     def nbytes(self) -> int:
-        return self.storage.nbytes() + sum(s.numel() * s.element_size() for s in self.stat.values())
+        return self.storage.nbytes() + self._stats.numel() * self._stats.element_size()
 
 
 def option_names(options_cls: type) -> list[str]:

@@ -113,7 +113,7 @@ class QuantizedStorage:
         Codes move as they are: a moved token is not re-quantized."""
         B, H = self.k.shape[:2]
         for buf in self._buffers():
-            index = dst.expand(B, H, 1).unsqueeze(-1).expand(B, H, 1, buf.shape[-1])
+            index = dst.unsqueeze(-1).expand(B, H, 1, buf.shape[-1])
             buf.scatter_(2, index, buf[:, :, src : src + 1].clone())
         self.pos.scatter_(2, dst, self.pos[:, :, src : src + 1].clone())
         self.pos[:, :, src] = -1

@@ -13,7 +13,7 @@ import torch
 
 from .. import attention
 from .base import Step
-from .evicting import EvictingCache
+from .evicting import PROTECTED, EvictingCache
 
 
 class RingCache(EvictingCache):
@@ -23,6 +23,11 @@ class RingCache(EvictingCache):
         """Slot of each position (any shape, long)."""
         S, C = self.sinks(), self.spec.cache_length
         return torch.where(positions < S, positions, S + (positions - S) % (C - S))
+
+    def priority(self, stat, pos: torch.Tensor, step: Step) -> torch.Tensor:
+        """The ranking the slots realise (sinks, then newest first); the ring's own paths place
+        tokens by ``slot`` and never rank them."""
+        return pos.float() + PROTECTED * (pos < self.sinks())
 
     def _survives(self, positions: torch.Tensor, newest: torch.Tensor) -> torch.Tensor:
         """Which of ``positions`` (B, T) are still kept once each row's newest is ``newest`` (B, 1)."""

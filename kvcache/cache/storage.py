@@ -47,9 +47,10 @@ class FullStorage:
     def move(self, src: int, dst: torch.Tensor) -> None:
         """Copy slot ``src`` of every row and head to slot ``dst`` (B, Hp, 1), then empty ``src``."""
         B, H, _, D = self.k.shape
-        index = dst.expand(B, H, 1).unsqueeze(-1).expand(B, H, 1, D)
-        for buf in (self.k, self.v):
-            buf.scatter_(2, index, buf[:, :, src : src + 1].clone())
+        index = dst.unsqueeze(-1).expand(B, H, 1, D)
+        # scatter_ refuses a source that aliases its destination, hence the copies of one slot.
+        self.k.scatter_(2, index, self.k[:, :, src : src + 1].clone())
+        self.v.scatter_(2, index, self.v[:, :, src : src + 1].clone())
         self.pos.scatter_(2, dst, self.pos[:, :, src : src + 1].clone())
         self.pos[:, :, src] = -1
 

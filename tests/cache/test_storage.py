@@ -16,7 +16,8 @@ from policy_util import check_storage, feed, feed_alone, ids_for, max_diff
 CPU = torch.device("cpu")
 STORAGES = ["full", "int8", "int4"]
 # (policy, options, per_head, number of float32 statistics per slot)
-POLICIES = [("dense", {}, False, 0), ("window", {}, False, 0), ("h2o", dict(recent=4), True, 2)]
+POLICIES = [("dense", {}, False, 0), ("window", {}, False, 0), ("h2o", dict(recent=4), True, 1),
+            ("h2o", dict(recent=4, normalize=True), True, 2)]
 # Bytes of one token's key (or value) for one K/V head, at head_dim D with float32 at full
 # precision: codes (D bytes at int8, D / 2 at int4) + a float32 scale and offset per head.
 TOKEN_BYTES = {"full": lambda D: 4 * D, "int8": lambda D: D + 8, "int4": lambda D: D // 2 + 8}

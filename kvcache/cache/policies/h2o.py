@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..base import CacheSpec, Step
-from ..evicting import EMPTY, PROTECTED, EvictingCache, newest
+from ..evicting import PROTECTED, EvictingCache, newest
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class H2OCache(EvictingCache):
     description = "Heavy-Hitter Oracle: `recent` newest + most-attended tokens, per row and K/V head"
     Options = H2OOptions
     per_head = True
-    stats = ("score", "seen")
+    stats = ("score",)
     needs_attention = True
 
     def __init__(self, spec: CacheSpec, options: H2OOptions) -> None:
@@ -47,18 +47,25 @@ class H2OCache(EvictingCache):
                 f"recent + sinks ({options.recent + options.sinks}) must be smaller than cache_length "
                 f"({spec.cache_length}) to leave room for heavy hitters"
             )
+        # How many queries saw each token is needed (and kept) only to normalize.
+        self.stats = ("score", "seen") if options.normalize else ("score",)
         super().__init__(spec, options)
 
     def observe(self, stat, mass, seen, pos, values, step: Step) -> None:
         if self.options.value_norm:
             mass = mass * values.float().norm(dim=-1)
         stat["score"] += mass
-        stat["seen"] += seen
+        if self.options.normalize:
+            stat["seen"] += seen
 
     def priority(self, stat, pos: torch.Tensor, step: Step) -> torch.Tensor:
         score = stat["score"]
         if self.options.normalize:
             score = score / stat["seen"].clamp(min=1.0)
-        protected = (pos > newest(step) - self.options.recent) | (pos < self.options.sinks)
-        return torch.where(pos >= 0, score + PROTECTED * protected, EMPTY)
-
+        # A uniform step's newest position is known on the host: one comparison with a number.
+        newest_pos = step.start0 + step.num_tokens - 1 if step.uniform else newest(step)
+        protected = pos > newest_pos - self.options.recent
+        if self.options.sinks:
+            protected |= pos < self.options.sinks
+        # Protected tokens outrank every score (any score + PROTECTED rounds to PROTECTED anyway).
+        return score.masked_fill(protected, PROTECTED)

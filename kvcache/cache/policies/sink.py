@@ -26,9 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ...rope import apply_rope, rope_angles
+from ...rope import apply_rope, rope_angles, rope_matrix
 from ..base import CacheSpec, Step
-from ..evicting import EMPTY, PROTECTED
 from ..ring import RingCache
 
 MODES = ("absolute", "renumbered")
@@ -94,13 +93,15 @@ class SinkCache(RingCache):
         if self.options.positions == "absolute" or S == 0:
             return
         if self._stored_sinks is None:
-            self._stored_sinks = ks[:, :, :S].clone()
-        # One rotation per step, shared by every layer of this cache length: +shift, per row.
+            self._stored_sinks = ks[:, :, :S].clone(memory_format=torch.contiguous_format)
+        # One rotation by +shift per row and step, shared by every layer of this cache length.
         key = ("sink_shift_rotation", self.spec.cache_length)
         if key not in step.shared:
             cos, sin = rope_angles(self.spec.inv_freq, self.shift(step.positions), ks.dtype)  # (B, 1, D)
-            step.shared[key] = cos.unsqueeze(1), sin.unsqueeze(1)
-        ks[:, :, :S] = apply_rope(self._stored_sinks, *step.shared[key])
+            step.shared[key] = rope_matrix(cos, sin).squeeze(1)  # (B, D, D)
+        B, H, _, D = self._stored_sinks.shape
+        rotated = torch.bmm(self._stored_sinks.view(B, H * S, D), step.shared[key])
+        ks[:, :, :S] = rotated.view(B, H, S, D)
 
     def _restore_sinks(self) -> None:
         """Put the stored sinks back in their slots. A full-precision ``view`` is the buffer itself,
@@ -121,7 +122,3 @@ class SinkCache(RingCache):
     def reset(self) -> None:
         self._stored_sinks = None
         super().reset()
-
-    def priority(self, stat, pos: torch.Tensor, step: Step) -> torch.Tensor:
-        prio = pos.float() + PROTECTED * (pos < self.options.sinks)
-        return torch.where(pos >= 0, prio, EMPTY)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..base import Step
-from ..evicting import EMPTY, PROTECTED, EvictingCache, newest
+from ..evicting import PROTECTED, EvictingCache, newest
 
 FALLBACKS = ("window", "tova")
 POOLINGS = ("avg", "max")
@@ -86,8 +86,6 @@ class SnapKVCache(EvictingCache):
     def priority(self, stat, pos: torch.Tensor, step: Step) -> torch.Tensor:
         fallback = pos.float() if self.options.fallback == "window" else stat["score"]
         if step.num_tokens == 1:
-            prio = fallback
-        else:
-            voted = stat["score"] + PROTECTED * (pos > newest(step) - self.options.window)
-            prio = torch.where(self._decoding(step), fallback, voted)
-        return torch.where(pos >= 0, prio, EMPTY)
+            return fallback
+        voted = stat["score"] + PROTECTED * (pos > newest(step) - self.options.window)
+        return torch.where(self._decoding(step), fallback, voted)

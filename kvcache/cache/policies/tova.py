@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..base import Step
-from ..evicting import EMPTY, EvictingCache
+from ..evicting import EvictingCache
 
 
 def newest_query(step: Step) -> torch.Tensor:
@@ -33,4 +33,4 @@ class TOVACache(EvictingCache):
         stat["score"].copy_(mass.mean(1, keepdim=True))
 
     def priority(self, stat, pos: torch.Tensor, step: Step) -> torch.Tensor:
-        return torch.where(pos >= 0, stat["score"], EMPTY)
+        return stat["score"]

@@ -6,10 +6,6 @@ sequence is chunked, so a chunked prefill gives the same result as token-by-toke
 
 from __future__ import annotations
 
-import torch
-
-from ..base import Step
-from ..evicting import EMPTY
 from ..ring import RingCache
 
 
@@ -19,6 +15,3 @@ class WindowCache(RingCache):
 
     def window(self) -> int | None:
         return self.spec.cache_length
-
-    def priority(self, stat, pos: torch.Tensor, step: Step) -> torch.Tensor:
-        return torch.where(pos >= 0, pos.float(), EMPTY)
