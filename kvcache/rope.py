@@ -8,7 +8,6 @@ accumulating rotations on already-rotated keys.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -53,26 +52,10 @@ def rope_angles(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dt
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` (..., head_dim) by angles broadcastable to it (the half-split pairing of HF Llama)."""
+    return x * cos + rotate_half(x) * sin
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """(x1, x2) -> (-x2, x1) over the halves of the last dimension: the sine term of a rotation."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
-def rope_matrix(cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """(..., head_dim, head_dim) matrices M with ``x @ M == apply_rope(x, cos, sin)``.
-
-    cos, sin: (..., head_dim). Rotating a few vectors by the same angles is then one matmul
-    instead of five elementwise calls (the renumbered sinks of every layer in a decode step).
-    """
-    return torch.diag_embed(cos) + _rotate_half_matrix(cos.shape[-1], cos.dtype, cos.device) * sin.unsqueeze(-2)
-
-
-@functools.lru_cache(maxsize=16)
-def _rotate_half_matrix(D: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """(D, D) P with x @ P == rotate_half(x): -x[j + D/2] at j < D/2, x[j - D/2] after."""
-    half = D // 2
-    P = torch.zeros(D, D, dtype=dtype, device=device)
-    idx = torch.arange(half, device=device)
-    P[idx + half, idx] = -1.0
-    P[idx, idx + half] = 1.0
-    return P
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

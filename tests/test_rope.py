@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import math
 
-import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcache.config import RopeConfig
-from kvcache.rope import apply_rope, inverse_frequencies, rope_angles, rope_matrix
+from kvcache.rope import apply_rope, inverse_frequencies, rope_angles
 
 D = 16
 INV = inverse_frequencies(RopeConfig(theta=10000.0), D)
@@ -72,13 +71,3 @@ def test_angles_computed_in_fp32_for_low_precision():
     # bf16 rounding of the result only (~4e-3), not of the angle (which would be off by radians)
     assert (cos16.float() - cos32).abs().max() < 1e-2
     assert (sin16.float() - sin32).abs().max() < 1e-2
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_rope_matrix_applies_the_same_rotation(dtype):
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, 32, 2, dtype=torch.float32) / 32))
-    cos, sin = rope_angles(inv_freq, torch.tensor([[3], [70_000]]), dtype)  # (2, 1, 32)
-    x = torch.randn(2, 3, 5, 32, dtype=dtype)
-    want = apply_rope(x, cos.unsqueeze(1), sin.unsqueeze(1))
-    got = x @ rope_matrix(cos, sin)  # (2, 1, 32, 32) broadcast over heads
-    assert (got - want).abs().max() <= 10 * torch.finfo(dtype).eps

@@ -123,7 +123,7 @@ class EvictingCache(LayerCache):
         # never on slot order (which differs between a row alone and in a ragged batch).
         lowest = prio == prio.amin(-1, keepdim=True)
         victim = torch.where(lowest, pos, torch.iinfo(torch.long).max).argmin(-1, keepdim=True)  # (B, Hp, 1)
-        store.move(C, victim)
+        store.settle(victim, k, v, step.positions)
         if self.stats:
             n, B, Hp, _ = self._stats.shape
             self._stats.scatter_(3, victim.expand(n, B, Hp, 1), self._stats[..., C : C + 1].clone())

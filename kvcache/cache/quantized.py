@@ -108,15 +108,16 @@ class QuantizedStorage:
         Hp = self.pos.shape[1]
         self.pos.scatter_(2, slots.unsqueeze(1).expand(B, Hp, T), positions.unsqueeze(1).expand(B, Hp, T))
 
-    def move(self, src: int, dst: torch.Tensor) -> None:
-        """Copy slot ``src`` of every row and head to slot ``dst`` (B, Hp, 1), then empty ``src``.
-        Codes move as they are: a moved token is not re-quantized."""
-        B, H = self.k.shape[:2]
+    def settle(self, dst: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """Move the token in the scratch slot to slot ``dst`` (B, Hp, 1) and empty the scratch
+        slot (see FullStorage.settle). Codes move as they are: a moved token is not re-quantized."""
+        B, H, C1 = self.k.shape[:3]
         for buf in self._buffers():
             index = dst.unsqueeze(-1).expand(B, H, 1, buf.shape[-1])
-            buf.scatter_(2, index, buf[:, :, src : src + 1].clone())
-        self.pos.scatter_(2, dst, self.pos[:, :, src : src + 1].clone())
-        self.pos[:, :, src] = -1
+            # A scatter may not read from the buffer it writes: copy the scratch slot first.
+            buf.scatter_(2, index, buf[:, :, C1 - 1 :].clone())
+        self.pos.scatter_(2, dst, positions.unsqueeze(1).expand_as(dst))
+        self.pos[:, :, C1 - 1] = -1
 
     def keep(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, index: torch.Tensor, stored: int = 0) -> None:
         """Fill slots [0, C) with candidates ``index`` (B, Hp, C) picked from k, v (B, Hkv, N, D),

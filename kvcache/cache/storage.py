@@ -44,15 +44,18 @@ class FullStorage:
         self.v.scatter_(2, index, v)
         self.pos.scatter_(2, slots.unsqueeze(1).expand(B, self.pos.shape[1], T), positions.unsqueeze(1).expand(B, self.pos.shape[1], T))
 
-    def move(self, src: int, dst: torch.Tensor) -> None:
-        """Copy slot ``src`` of every row and head to slot ``dst`` (B, Hp, 1), then empty ``src``."""
-        B, H, _, D = self.k.shape
+    def settle(self, dst: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """Move the token that ``write_slice(C, k, v, positions)`` put in the scratch slot C to
+        slot ``dst`` (B, Hp, 1), and empty the scratch slot. k, v: (B, Hkv, 1, D); positions: (B, 1).
+
+        The scratch slot holds exactly k and v, so they are scattered from the arguments: a
+        scatter may not read from the buffer it writes."""
+        B, H, C1, D = self.k.shape
         index = dst.unsqueeze(-1).expand(B, H, 1, D)
-        # scatter_ refuses a source that aliases its destination, hence the copies of one slot.
-        self.k.scatter_(2, index, self.k[:, :, src : src + 1].clone())
-        self.v.scatter_(2, index, self.v[:, :, src : src + 1].clone())
-        self.pos.scatter_(2, dst, self.pos[:, :, src : src + 1].clone())
-        self.pos[:, :, src] = -1
+        self.k.scatter_(2, index, k.to(self.k.dtype))
+        self.v.scatter_(2, index, v.to(self.v.dtype))
+        self.pos.scatter_(2, dst, positions.unsqueeze(1).expand_as(dst))
+        self.pos[:, :, C1 - 1] = -1
 
     def keep(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, index: torch.Tensor, stored: int = 0) -> None:
         """Fill slots [0, C) with candidates ``index`` (B, Hp, C) picked from k, v (B, Hkv, N, D), pos (B, Hp, N).

@@ -187,7 +187,7 @@ def test_decode_move_keeps_codes_and_empties_the_scratch_slot():
     for store in (quant, full):
         store.write_slice(C, k, v, positions)
         codes = store.k[:, :, C].clone()
-        store.move(C, dst)
+        store.settle(dst, k, v, positions)
         assert bool((store.pos[:, :, C] == -1).all())
         for b in range(2):
             for h in range(2):

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...rope import apply_rope, rope_angles, rope_matrix
+from ...rope import apply_rope, rope_angles, rotate_half
 from ..base import CacheSpec, Step
 from ..ring import RingCache
 
@@ -58,8 +58,9 @@ class SinkCache(RingCache):
         if options.positions == "renumbered" and spec.inv_freq is None:
             raise ValueError("renumbered sink positions need the model's rotary frequencies (spec.inv_freq)")
         super().__init__(spec, options)
-        # (B, Hkv, sinks, D): the sinks as stored, while the slots hold them rotated for decoding.
-        self._stored_sinks: torch.Tensor | None = None
+        # While the slots hold the sinks rotated for decoding: the sinks as stored and their
+        # rotate_half, each (B, Hkv, sinks, D).
+        self._stored_sinks: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def window(self) -> int | None:
         return self.spec.cache_length - self.options.sinks
@@ -93,21 +94,24 @@ class SinkCache(RingCache):
         if self.options.positions == "absolute" or S == 0:
             return
         if self._stored_sinks is None:
-            self._stored_sinks = ks[:, :, :S].clone(memory_format=torch.contiguous_format)
-        # One rotation by +shift per row and step, shared by every layer of this cache length.
-        key = ("sink_shift_rotation", self.spec.cache_length)
+            k = ks[:, :, :S].clone()
+            # With rotate_half(k) kept too, each step's rotation k * cos + rotate_half(k) * sin
+            # is two elementwise calls.
+            self._stored_sinks = k, rotate_half(k)
+        # The angles of +shift per row, shared by every layer of this cache length: (B, 1, 1, D).
+        key = ("sink_shift_angles", self.spec.cache_length)
         if key not in step.shared:
-            cos, sin = rope_angles(self.spec.inv_freq, self.shift(step.positions), ks.dtype)  # (B, 1, D)
-            step.shared[key] = rope_matrix(cos, sin).squeeze(1)  # (B, D, D)
-        B, H, _, D = self._stored_sinks.shape
-        rotated = torch.bmm(self._stored_sinks.view(B, H * S, D), step.shared[key])
-        ks[:, :, :S] = rotated.view(B, H, S, D)
+            cos, sin = rope_angles(self.spec.inv_freq, self.shift(step.positions), ks.dtype)
+            step.shared[key] = cos.unsqueeze(1), sin.unsqueeze(1)
+        cos, sin = step.shared[key]
+        k, k_half = self._stored_sinks
+        ks[:, :, :S] = torch.addcmul(k * cos, k_half, sin)
 
     def _restore_sinks(self) -> None:
         """Put the stored sinks back in their slots. A full-precision ``view`` is the buffer itself,
         which the rotated copies overwrote; a quantized one is a fresh decode, where this is a no-op."""
         if self._stored_sinks is not None:
-            self.storage.view(self.options.sinks)[0].copy_(self._stored_sinks)
+            self.storage.view(self.options.sinks)[0].copy_(self._stored_sinks[0])
             self._stored_sinks = None
 
     def _decode(self, q, k, v, step: Step) -> torch.Tensor:
