@@ -89,7 +89,18 @@ class EvictingCache(LayerCache):
         rule = dict(window=self.window(), sinks=self.sinks(), limit=self.spec.window)
         if not self.needs_attention and q_sink is None:
             return attention.masked(q, k, v, q_pos, k_pos, **rule), None, None
-        return attention.masked_with_weights(q, k, v, q_pos, k_pos, self.query_weight(step), q_sink=q_sink, **rule)
+        weight = self.query_weight(step)  # (B, T)
+        if q_sink is None:
+            # A policy that listens to a few queries only (TOVA: the newest; SnapKV: its window)
+            # needs weights for those: every query's output comes from the fused kernel, and
+            # the explicit softmax runs over the listened queries alone.
+            listened = weight.ne(0).any(0).nonzero().squeeze(1)  # (L,) indices into the chunk
+            if 2 * listened.numel() <= q.shape[2]:
+                out = attention.masked(q, k, v, q_pos, k_pos, **rule)
+                _, mass, seen = attention.masked_with_weights(
+                    q[:, :, listened], k, v, q_pos[:, listened], k_pos, weight[:, listened], **rule)
+                return out, mass, seen
+        return attention.masked_with_weights(q, k, v, q_pos, k_pos, weight, q_sink=q_sink, **rule)
 
     def _sink_queries(self, q: torch.Tensor, step: Step) -> torch.Tensor | None:
         """Queries as seen by sink keys when positions are renumbered (see the sink policy)."""

@@ -118,7 +118,14 @@ class PolicyChecker:
                         window = set(range(L - min(opts["window"], n[b]), L))
                         assert window <= set(held), f"row {b}: {held} lacks {sorted(window)}"
 
-        calls = self.recorder.calls
+        # A policy that listens to a few queries (TOVA, SnapKV) scores them in a call of their own,
+        # after the call that attends every query of the chunk; scoring calls must be causal too.
+        for call in self.recorder.calls:
+            for b in range(len(lengths)):
+                for t in range(call["q_pos"].shape[1]):
+                    qp = int(call["q_pos"][b, t])
+                    assert all(max(seen, default=-1) <= qp for seen in visible_sets(call, b, t))
+        calls = [call for call in self.recorder.calls if call["q_pos"].shape[1] == T]
         assert len(calls) == len(cache.layers), "one attention call per layer and model call"
         for i, (call, layer) in enumerate(zip(calls, cache.layers)):
             assert bool((call["k_pos"] <= torch.tensor(lengths)[:, None, None] - 1).all())
@@ -313,3 +320,27 @@ def test_generate_ragged_prompts_equal_each_prompt_alone(llama):
         alone = [kvcache.generate(llama, p, max_new_tokens=12, policy=policy, policy_options=options,
                                   cache_length=8, prefill_chunk=4, stop_tokens=()) for p in prompts]
         assert together == alone, policy
+
+
+@pytest.mark.parametrize("policy,options", [("tova", {}), ("snapkv", dict(window=4))])
+def test_listening_to_few_queries_scores_them_alone(llama, policy, options):
+    """TOVA and SnapKV weigh only a few queries of a chunk: those are scored in a call of their
+    own and every output comes from the fused kernel. Outputs and scores equal the single
+    explicit-softmax call over the whole chunk."""
+    from kvcache import attention
+
+    cache = kvcache.make_cache(llama, policy, cache_length=8, batch_size=2, **options)
+    layer = cache.layers[0]
+    step = cache.begin(torch.zeros(2, 20, dtype=torch.long), [20, 13])
+    B, Hkv, D, T = 2, llama.config.num_kv_heads, llama.config.head_dim, 20
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(B, llama.config.num_heads, T, D, generator=gen)
+    k, v = torch.randn(B, Hkv, T, D, generator=gen), torch.randn(B, Hkv, T, D, generator=gen)
+    k_pos = torch.where(step.valid, step.positions, -1).unsqueeze(1)
+    weight = layer.query_weight(step)
+    assert 0 < 2 * int(weight.ne(0).any(0).sum()) <= T  # the split path applies
+    out, mass, seen = layer._attend(q, k, v, step.positions, k_pos, step)
+    want_out, want_mass, want_seen = attention.masked_with_weights(q, k, v, step.positions, k_pos, weight)
+    for b, n in enumerate([20, 13]):
+        assert max_diff(out[b, :, :n], want_out[b, :, :n]) <= 1e-5
+    assert max_diff(mass, want_mass) <= 1e-6 and torch.equal(seen, want_seen)
