@@ -88,7 +88,7 @@ class EvictingCache(LayerCache):
         """Attention over candidates; returns out and, if the policy observes, mass and seen."""
         rule = dict(window=self.window(), sinks=self.sinks(), limit=self.spec.window)
         if not self.needs_attention and q_sink is None:
-            return attention.masked(q, k, v, q_pos, k_pos, **rule), None, None
+            return self._outputs(q, k, v, q_pos, k_pos, step, rule), None, None
         weight = self.query_weight(step)  # (B, T)
         if q_sink is None:
             # A policy that listens to a few queries only (TOVA: the newest; SnapKV: its window)
@@ -96,11 +96,18 @@ class EvictingCache(LayerCache):
             # the explicit softmax runs over the listened queries alone.
             listened = weight.ne(0).any(0).nonzero().squeeze(1)  # (L,) indices into the chunk
             if 2 * listened.numel() <= q.shape[2]:
-                out = attention.masked(q, k, v, q_pos, k_pos, **rule)
+                out = self._outputs(q, k, v, q_pos, k_pos, step, rule)
                 _, mass, seen = attention.masked_with_weights(
                     q[:, :, listened], k, v, q_pos[:, listened], k_pos, weight[:, listened], **rule)
                 return out, mass, seen
         return attention.masked_with_weights(q, k, v, q_pos, k_pos, weight, q_sink=q_sink, **rule)
+
+    def _outputs(self, q, k, v, q_pos, k_pos, step: Step, rule: dict) -> torch.Tensor:
+        """Attention outputs without weights: a prompt alone in an empty cache, with no window
+        of the policy's, is plain causal attention (fused, no mask); anything else is masked."""
+        if step.fresh and step.uniform and k.shape[2] == q.shape[2] and rule["window"] is None:
+            return attention.causal(q, k, v, window=self.spec.window)
+        return attention.masked(q, k, v, q_pos, k_pos, **rule)
 
     def _sink_queries(self, q: torch.Tensor, step: Step) -> torch.Tensor | None:
         """Queries as seen by sink keys when positions are renumbered (see the sink policy)."""
@@ -144,33 +151,37 @@ class EvictingCache(LayerCache):
         C = self.spec.cache_length
         store = self.storage
         Hp = store.pos.shape[1]
-        ks, vs, pos = store.view(C)
         new_pos = torch.where(step.valid, step.positions, -1).unsqueeze(1).expand(-1, Hp, -1)
         # New tokens are attended as they will be stored, like the decode path (which reads them back).
         k, v = store.roundtrip(k, v)
-        cand_k = torch.cat((ks, k), dim=2)
-        cand_v = torch.cat((vs, v), dim=2)
-        cand_pos = torch.cat((pos, new_pos), dim=2)
+        # An empty cache adds no candidates: a prompt that fills it is ranked on its own.
+        stored = 0 if step.fresh and step.num_tokens >= C else C
+        if stored:
+            ks, vs, pos = store.view(C)
+            cand_k, cand_v, cand_pos = torch.cat((ks, k), dim=2), torch.cat((vs, v), dim=2), torch.cat((pos, new_pos), dim=2)
+        else:
+            cand_k, cand_v, cand_pos = k, v, new_pos
         stat = {
-            name: torch.cat((s[:, :, :C], s.new_zeros(s.shape[0], Hp, k.shape[2])), dim=2)
+            name: torch.cat((s[:, :, :stored], s.new_zeros(s.shape[0], Hp, k.shape[2])), dim=2)
             for name, s in self.stat.items()
         }
         out, mass, seen = self._attend(q, cand_k, cand_v, step.positions, cand_pos, step,
                                        self._sink_queries(q, step))
         if mass is not None:
             self.observe(stat, mass, seen, cand_pos, cand_v, step)
-        self._keep(cand_k, cand_v, cand_pos, stat, step)
+        self._keep(cand_k, cand_v, cand_pos, stat, step, stored)
         return out
 
-    def _keep(self, cand_k, cand_v, cand_pos, stat, step: Step) -> None:
-        """Gather the top-priority ``cache_length`` candidates back into the buffers."""
+    def _keep(self, cand_k, cand_v, cand_pos, stat, step: Step, stored: int) -> None:
+        """Gather the top-priority ``cache_length`` candidates back into the buffers; the first
+        ``stored`` candidates are the kept slots, the rest the chunk."""
         C = self.spec.cache_length
         prio = self.priority(stat, cand_pos, step).masked_fill(cand_pos < 0, EMPTY)
         # Newest first, then a stable sort by priority: ties keep the newer token, whatever the slot order.
         by_age = cand_pos.argsort(dim=-1, descending=True, stable=True)
         ranked = prio.gather(2, by_age).sort(dim=-1, descending=True, stable=True).indices
         keep = by_age.gather(2, ranked[..., :C])  # (B, Hp, C)
-        self.storage.keep(cand_k, cand_v, cand_pos, keep, stored=C)
+        self.storage.keep(cand_k, cand_v, cand_pos, keep, stored=stored)
         for name, s in self.stat.items():
             s[:, :, :C] = stat[name].gather(2, keep)
 

@@ -33,9 +33,9 @@ class RingCache(EvictingCache):
         """Which of ``positions`` (B, T) are still kept once each row's newest is ``newest`` (B, 1)."""
         return (positions > newest - (self.spec.cache_length - self.sinks())) | (positions < self.sinks())
 
-    def _keep(self, cand_k, cand_v, cand_pos, stat, step: Step) -> None:
+    def _keep(self, cand_k, cand_v, cand_pos, stat, step: Step, stored: int) -> None:
         C = self.spec.cache_length
-        new_k, new_v = cand_k[:, :, C:], cand_v[:, :, C:]
+        new_k, new_v = cand_k[:, :, stored:], cand_v[:, :, stored:]
         keep = step.valid & self._survives(step.positions, step.newest[:, None])
         # new_k, new_v are the chunk as attended (read back from its codes by a quantized storage,
         # whose encoding of a read-back value gives the same codes).
