@@ -154,7 +154,7 @@ class AttentionRecorder:
 
     @contextlib.contextmanager
     def patch(self):
-        orig = attention.masked, attention.masked_with_weights, attention.decode
+        orig = attention.masked, attention.masked_with_weights, attention.decode, attention.causal
 
         def record(q_pos, k_pos, window, sinks, limit):
             vis = attention.visibility(q_pos, k_pos, window, sinks, limit)
@@ -181,11 +181,19 @@ class AttentionRecorder:
             self.calls.append(dict(q_pos=q_pos, k_pos=k_pos, vis=vis.unsqueeze(2)))
             return orig[2](q, k, v, visible, **kwargs)
 
-        attention.masked, attention.masked_with_weights, attention.decode = masked, masked_with_weights, decode
+        def causal(q, k, v, window=None):
+            # A prompt alone in empty caches: positions 0..T-1 in every row, keys at the same.
+            B, T = q.shape[0], q.shape[2]
+            pos = torch.arange(T, device=q.device).expand(B, T)
+            record(pos, pos.unsqueeze(1), window, 0, None)
+            return orig[3](q, k, v, window=window)
+
+        attention.masked, attention.masked_with_weights, attention.decode, attention.causal = (
+            masked, masked_with_weights, decode, causal)
         try:
             yield self
         finally:
-            attention.masked, attention.masked_with_weights, attention.decode = orig
+            attention.masked, attention.masked_with_weights, attention.decode, attention.causal = orig
 
 
 def visible_sets(call, b: int, t: int) -> list[list[int]]:
