@@ -94,7 +94,6 @@ class Step:
         return self.positions.shape[1]
 
 
-
 class LayerCache(ABC):
     """The cache of one attention layer."""
 
