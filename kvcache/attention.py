@@ -134,6 +134,10 @@ def masked_with_weights(
     mass = torch.zeros(B, Hkv, S, dtype=torch.float32, device=q.device)
     seen = torch.zeros(B, k_pos.shape[1], S, dtype=torch.float32, device=q.device)
     kt = k.transpose(-1, -2)
+    # The scale goes on the queries (n x D), not on the scores (n x S).
+    q = q * scale
+    if q_sink is not None:
+        q_sink = q_sink * scale
     for start in range(0, T, QUERY_BLOCK):
         stop = min(start + QUERY_BLOCK, T)
         n = stop - start
@@ -142,16 +146,19 @@ def masked_with_weights(
         if q_sink is not None:
             sink_scores = q_sink[:, :, start:stop].reshape(B, Hkv, G * n, D) @ kt
             scores = torch.where((k_pos < sinks).unsqueeze(2), sink_scores, scores)
-        scores = scores.view(B, Hkv, G, n, S).float() * scale
+        scores = scores.view(B, Hkv, G, n, S).float()
         # A large finite fill (not -inf) keeps rows with no visible key (padding) free of NaN.
+        # Such a row's weights are uniform, not zero; only padding has one (a real query sees
+        # itself), and padding weighs 0 in the totals and its output is never read.
         scores = scores.masked_fill(~vis.unsqueeze(2), torch.finfo(torch.float32).min)
         weights = scores.softmax(-1)
-        weights = weights * vis.unsqueeze(2)
         ob = weights.to(v.dtype).view(B, Hkv, G * n, S) @ v
         out[:, :, start:stop] = ob.view(B, Hq, n, D)
+        # Weighted sums over queries as matrix-vector products: (B, 1, 1, G*n) @ (B, Hkv, G*n, S).
+        # (A reduction over the G and query axes of the 5-d weights is several times slower.)
         qw = q_weight[:, start:stop].float()
-        mass += torch.einsum("bhgts,bt->bhs", weights, qw)
-        seen += torch.einsum("bhts,bt->bhs", vis.float(), qw)
+        mass += (qw.repeat(1, G)[:, None, None, :] @ weights.view(B, Hkv, G * n, S)).squeeze(2)
+        seen += (qw[:, None, None, :] @ vis.float()).squeeze(2)
     return out, mass, seen
 
 
