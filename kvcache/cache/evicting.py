@@ -55,7 +55,8 @@ class EvictingCache(LayerCache):
         Hp = self.storage.pos.shape[1]
         # One buffer for all statistics, so the decode step clears and moves them in one call each.
         self._stats = torch.zeros(len(self.stats), spec.batch_size, Hp, spec.cache_length + 1, device=spec.device)
-        self.stat = dict(zip(self.stats, self._stats.unbind(0)))
+        # Views by indexing (not ``unbind``, whose views autograd forbids writing in place).
+        self.stat = {name: self._stats[i] for i, name in enumerate(self.stats)}
 
     # ----- what a policy defines -------------------------------------------------------------
     def window(self) -> int | None:
@@ -133,7 +134,8 @@ class EvictingCache(LayerCache):
             visible = attention.visibility(step.positions, pos, self.window(), self.sinks(), self.spec.window)[:, :, 0]
         out, mass = attention.decode(q, ks, vs, visible, want_mass=self.needs_attention)
         if mass is not None:
-            self.observe(self.stat, mass, 1.0 if visible is None else visible.float(), pos, vs, step)
+            # Statistics decide what is kept; they carry no gradient (nor keep any graph alive).
+            self.observe(self.stat, mass.detach(), 1.0 if visible is None else visible.float(), pos, vs.detach(), step)
         prio = self.priority(self.stat, pos, step)
         if not full:
             prio = prio.masked_fill(pos < 0, EMPTY)
@@ -154,8 +156,9 @@ class EvictingCache(LayerCache):
         new_pos = torch.where(step.valid, step.positions, -1).unsqueeze(1).expand(-1, Hp, -1)
         # New tokens are attended as they will be stored, like the decode path (which reads them back).
         k, v = store.roundtrip(k, v)
-        # An empty cache adds no candidates: a prompt that fills it is ranked on its own.
-        stored = 0 if step.fresh and step.num_tokens >= C else C
+        # An empty cache adds no candidates: a prompt that fills it is ranked on its own. (Not
+        # with padding, whose values would then fill the slots left empty.)
+        stored = 0 if step.fresh and step.uniform and step.num_tokens >= C else C
         if stored:
             ks, vs, pos = store.view(C)
             cand_k, cand_v, cand_pos = torch.cat((ks, k), dim=2), torch.cat((vs, v), dim=2), torch.cat((pos, new_pos), dim=2)
@@ -168,7 +171,7 @@ class EvictingCache(LayerCache):
         out, mass, seen = self._attend(q, cand_k, cand_v, step.positions, cand_pos, step,
                                        self._sink_queries(q, step))
         if mass is not None:
-            self.observe(stat, mass, seen, cand_pos, cand_v, step)
+            self.observe(stat, mass.detach(), seen, cand_pos, cand_v.detach(), step)
         self._keep(cand_k, cand_v, cand_pos, stat, step, stored)
         return out
 

@@ -344,3 +344,28 @@ def test_listening_to_few_queries_scores_them_alone(llama, policy, options):
     for b, n in enumerate([20, 13]):
         assert max_diff(out[b, :, :n], want_out[b, :, :n]) <= 1e-5
     assert max_diff(mass, want_mass) <= 1e-6 and torch.equal(seen, want_seen)
+
+
+@pytest.mark.parametrize("name,options", [("window", {}), ("sink", dict(sinks=2)), ("h2o", dict(recent=2)),
+                                          ("tova", {}), ("snapkv", dict(window=2)), ("h2o:int8", dict(recent=2))])
+def test_policies_run_with_autograd_enabled(llama, name, options):
+    """Outside no_grad / inference_mode (fine-tuning through a bounded cache), every policy
+    gives the logits it gives in inference mode: a prompt longer than the cache, decode steps,
+    then a chunk."""
+    ids = ids_for(24, seed=9, vocab=llama.config.vocab_size)
+    schedule = [12, 1, 1, 1, 1, 5, 1, 3]
+
+    def run():
+        cache = kvcache.make_cache(llama, name, cache_length=8, **options)
+        fed, out = 0, []
+        for n in schedule:
+            out.append(llama(ids[:, fed : fed + n], cache))
+            fed += n
+        return torch.cat(out, dim=1)
+
+    with torch.enable_grad():
+        got = run()
+    assert got.requires_grad
+    with torch.inference_mode():
+        want = run()
+    assert max_diff(got.detach(), want) <= 1e-5
