@@ -134,8 +134,10 @@ class EvictingCache(LayerCache):
             visible = attention.visibility(step.positions, pos, self.window(), self.sinks(), self.spec.window)[:, :, 0]
         out, mass = attention.decode(q, ks, vs, visible, want_mass=self.needs_attention)
         if mass is not None:
-            # Statistics decide what is kept; they carry no gradient (nor keep any graph alive).
-            self.observe(self.stat, mass.detach(), 1.0 if visible is None else visible.float(), pos, vs.detach(), step)
+            if mass.requires_grad:
+                # Statistics decide what is kept; they carry no gradient (nor keep any graph alive).
+                mass, vs = mass.detach(), vs.detach()
+            self.observe(self.stat, mass, 1.0 if visible is None else visible.float(), pos, vs, step)
         prio = self.priority(self.stat, pos, step)
         if not full:
             prio = prio.masked_fill(pos < 0, EMPTY)
