@@ -172,12 +172,13 @@ def decode(
     sink_slots: int = 0,
     want_mass: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One query per row against S key slots, with explicit softmax weights.
+    """One query per row against S key slots.
 
     q: (B, Hq, 1, D); k, v: (B, Hkv, S, D); visible: (B, Hp, S) bool or None (all visible).
     ``q_sink`` (B, Hq, 1, D), if given, scores the first ``sink_slots`` slots instead of q
-    (renumbered attention sinks). Returns out (B, Hq, 1, D) and, with ``want_mass``, the
-    attention each slot received summed over the G query heads of its group: (B, Hkv, S) float32.
+    (renumbered attention sinks; fused path only). Returns out (B, Hq, 1, D) and, with
+    ``want_mass``, the attention each slot received summed over the G query heads of its group:
+    (B, Hkv, S) float32, from explicit softmax weights.
     """
     B, Hq, _, D = q.shape
     Hkv = k.shape[1]
@@ -185,16 +186,14 @@ def decode(
     qh = q.reshape(B, Hkv, G, D)
     if not want_mass:
         return _decode_fused(qh, k, v, visible, q_sink, sink_slots).view(B, Hq, 1, D), None
+    if q_sink is not None:
+        raise ValueError("decode: q_sink (renumbered sinks) is not supported together with want_mass")
     # Three-dimensional bmm over (B * Hkv) groups: the 4-d matmul costs a few extra dispatches per
     # call, which is a visible share of a decode step of a small model. k, v are slot views whose
-    # (B, Hkv) dimensions merge without a copy.
+    # (B, Hkv) dimensions merge without a copy. The scale goes on the query, not the S scores.
     S = k.shape[2]
-    q3, k3 = qh.reshape(B * Hkv, G, D), k.reshape(B * Hkv, S, D)
-    scores = torch.baddbmm(q3.new_zeros(()), q3, k3.transpose(1, 2), beta=0.0, alpha=D**-0.5)  # (B*Hkv, G, S)
-    if q_sink is not None and sink_slots:
-        sink_q = q_sink.reshape(B * Hkv, G, D)
-        scores[..., :sink_slots] = (sink_q @ k3[:, :sink_slots].transpose(1, 2)) * D**-0.5
-    scores = scores.view(B, Hkv, G, S).float()
+    q3, k3 = qh.reshape(B * Hkv, G, D) * D**-0.5, k.reshape(B * Hkv, S, D)
+    scores = torch.bmm(q3, k3.transpose(1, 2)).view(B, Hkv, G, S).float()
     if visible is not None:
         scores = scores.masked_fill(~visible.unsqueeze(2), float("-inf"))
     weights = scores.softmax(-1)

@@ -91,3 +91,9 @@ def test_visibility():
         [False, True, True, False, False, False, False],
         [False, False, False, False, True, True, False],
     ]
+
+
+def test_decode_rejects_renumbered_sinks_with_weights():
+    q, k = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 5, 8)
+    with pytest.raises(ValueError, match="q_sink"):
+        attention.decode(q, k, k, None, q_sink=q, sink_slots=2, want_mass=True)

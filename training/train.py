@@ -96,6 +96,17 @@ def random_repeats(rows: int, length: int, vocab_size: int, rng: random.Random) 
     return ids, weights
 
 
+def row_lengths(text: str) -> tuple[int, ...]:
+    """``--lengths``: comma-separated row lengths, each at least 32 (the shortest repeat task)."""
+    try:
+        lengths = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if min(lengths) < 32:
+        raise argparse.ArgumentTypeError(f"row lengths must be >= 32, got {text!r}")
+    return lengths
+
+
 def lengths_at(frac: float) -> tuple[int, ...]:
     return [lengths for start, lengths in CURRICULUM if frac >= start][-1]
 
@@ -156,9 +167,10 @@ def main() -> None:
                              "copying mechanism retrieval needs; a short stage of its own)")
     parser.add_argument("--induction-vocab", type=int, default=512,
                         help="random tokens of the induction stage are drawn from ids below this")
-    parser.add_argument("--long-only", action="store_true", help="skip the curriculum: 2048 tokens throughout")
-    parser.add_argument("--lengths", type=lambda s: tuple(int(x) for x in s.split(",")),
-                        help="skip the curriculum: draw each step's length from these (comma-separated)")
+    fixed = parser.add_mutually_exclusive_group()
+    fixed.add_argument("--long-only", action="store_true", help="skip the curriculum: 2048 tokens throughout")
+    fixed.add_argument("--lengths", type=row_lengths,
+                       help="skip the curriculum: draw each step's length from these (comma-separated, >= 32)")
     parser.add_argument("--eval-length", type=int, default=2048, help="tokens per held-out window and passkey")
     parser.add_argument("--eval-every", type=float, default=600.0, help="seconds between held-out evaluations")
     parser.add_argument("--eval-rows", type=int, default=16, help="held-out text windows and passkeys")
@@ -166,6 +178,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads (CPU training only)")
     args = parser.parse_args()
+    if args.eval_length < 64:
+        parser.error(f"--eval-length must be >= 64 (a passkey prompt and its answer), got {args.eval_length}")
 
     torch.manual_seed(args.seed)
     random.seed(args.seed)

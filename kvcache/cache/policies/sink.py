@@ -114,12 +114,8 @@ class SinkCache(RingCache):
             self.storage.view(self.options.sinks)[0].copy_(self._stored_sinks[0])
             self._stored_sinks = None
 
-    def _decode(self, q, k, v, step: Step) -> torch.Tensor:
-        if step.min_start + 1 < self.spec.cache_length:
-            self._restore_sinks()
-        return super()._decode(q, k, v, step)
-
     def _chunk(self, q, k, v, step: Step) -> torch.Tensor:
+        # (A decode step never needs this: once its rows are full they stay full until reset.)
         self._restore_sinks()
         return super()._chunk(q, k, v, step)
 
