@@ -8,9 +8,10 @@ Paths:
                  with ``is_causal=True``, which needs no mask tensor at all.
     ``masked``   queries against keys whose positions are data (a filled cache): the mask is derived
                  from positions for at most ``QUERY_BLOCK`` queries at a time, so extra memory is
-                 O(min(T, QUERY_BLOCK) x S). Grouped heads are folded into the query axis instead of
-                 repeating K/V: (B, Hq, T, D) -> (B, Hkv, G*T, D). A dense decode step whose keys are
-                 all visible is a single fused call without a mask.
+                 O(min(T, QUERY_BLOCK) x S). Slots shared by all heads take one mask broadcast over
+                 the heads and the kernel's grouped-head mode; per-head slots fold the grouped heads
+                 into the query axis instead of repeating K/V: (B, Hq, T, D) -> (B, Hkv, G*T, D).
+                 A dense decode step whose keys are all visible is a single fused call without a mask.
     ``masked_with_weights``  the same, with explicit softmax weights, reporting the attention each
                  key received (for policies that score tokens by it).
     ``decode``   one query per row with explicit weights (scoring policies, renumbered sinks).
@@ -90,12 +91,18 @@ def masked(
     for start in range(0, T, QUERY_BLOCK):
         stop = min(start + QUERY_BLOCK, T)
         n = stop - start
-        # Fold the G query heads that share a K/V head into the query axis: (B, Hkv, G*n, D).
+        vis = None if all_visible else visibility(q_pos[:, start:stop], k_pos, window, sinks, limit)  # (B, Hp, n, S)
+        if vis is None or vis.shape[1] == 1:
+            # Slots shared by all heads: one (B, 1, n, S) mask broadcast over the query heads, and
+            # the kernel's own grouped-head support (about twice as fast on CPU as the folded
+            # layout below, whose mask must be copied G times).
+            out[:, :, start:stop] = F.scaled_dot_product_attention(
+                q[:, :, start:stop], k, v, attn_mask=vis, enable_gqa=G > 1)
+            continue
+        # Per-head slots: fold the G query heads that share a K/V head into the query axis,
+        # (B, Hkv, G*n, D), so each K/V head's mask applies to its own queries.
         qb = q[:, :, start:stop].reshape(B, Hkv, G * n, D)
-        mask = None
-        if not all_visible:
-            vis = visibility(q_pos[:, start:stop], k_pos, window, sinks, limit)  # (B, Hp, n, S)
-            mask = vis.unsqueeze(2).expand(-1, -1, G, -1, -1).reshape(B, vis.shape[1], G * n, -1)
+        mask = vis.unsqueeze(2).expand(-1, -1, G, -1, -1).reshape(B, Hkv, G * n, -1)
         ob = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask)
         out[:, :, start:stop] = ob.view(B, Hq, n, D)
     return out
