@@ -157,7 +157,8 @@ def masked_with_weights(
         # A large finite fill (not -inf) keeps rows with no visible key (padding) free of NaN.
         # Such a row's weights are uniform, not zero; only padding has one (a real query sees
         # itself), and padding weighs 0 in the totals and its output is never read.
-        scores = scores.masked_fill(~vis.unsqueeze(2), torch.finfo(torch.float32).min)
+        # In place: the scores are a fresh product (or cast) that nothing else holds.
+        scores = scores.masked_fill_(~vis.unsqueeze(2), torch.finfo(torch.float32).min)
         weights = scores.softmax(-1)
         ob = weights.to(v.dtype).view(B, Hkv, G * n, S) @ v
         out[:, :, start:stop] = ob.view(B, Hq, n, D)

@@ -81,18 +81,22 @@ def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
 
 
 def random_repeats(rows: int, length: int, vocab_size: int, rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids (rows, length + 1) of random tokens in which a random span occurs twice, at random
-    offsets and distances (a fixed distance would be solved by position alone); loss only on
-    the second copy, where nothing but attention to the first predicts the next token."""
+    """ids (rows, length + 1): after a random-token prefix of random length, a random block of
+    random period repeated to the end of the row; loss only on the repeats, where nothing but
+    attention to the previous period predicts the next token. The period and the prefix vary
+    from row to row, so no fixed distance or position solves it (the copy must match content),
+    and most of the row carries the copying signal."""
     ids = torch.randint(3, vocab_size, (rows, length + 1))
     ids[:, 0] = 0
     weights = torch.zeros(rows, length + 1)
     for r in range(rows):
-        span = rng.randrange(8, length // 3)
-        first = rng.randrange(1, length + 1 - 2 * span)
-        second = rng.randrange(first + span, length + 2 - span)
-        ids[r, second : second + span] = ids[r, first : first + span]
-        weights[r, second + 1 : second + span] = 1.0
+        period = rng.randrange(8, max(9, length // 4))
+        first = rng.randrange(1, max(2, length // 4))
+        block = ids[r, first : first + period].clone()
+        for at in range(first + period, length + 1, period):
+            n = min(period, length + 1 - at)
+            ids[r, at : at + n] = block[:n]
+        weights[r, first + period + 1 :] = 1.0
     return ids, weights
 
 
@@ -162,6 +166,9 @@ def main() -> None:
                         help="fraction of rows that are passkey or lookup tasks")
     parser.add_argument("--repeat-share", type=float, default=0.25,
                         help="fraction of rows that repeat a span of text (an induction task)")
+    parser.add_argument("--random-share", type=float, default=0.0,
+                        help="fraction of rows that are random tokens of random period (as --induction), "
+                             "mixed with the other rows")
     parser.add_argument("--induction", action="store_true",
                         help="train only on repeated random token sequences of 128 tokens (forms the "
                              "copying mechanism retrieval needs; a short stage of its own)")
@@ -178,6 +185,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads (CPU training only)")
     args = parser.parse_args()
+    if not 0 <= args.random_share < 1 or args.retrieval_share + args.repeat_share + args.random_share > 1:
+        parser.error("--retrieval-share, --repeat-share and --random-share must be non-negative and sum to at most 1 "
+                     f"(--random-share below 1), got {args.retrieval_share}, {args.repeat_share}, {args.random_share}")
     if args.eval_length < 64:
         parser.error(f"--eval-length must be >= 64 (a passkey prompt and its answer), got {args.eval_length}")
 
@@ -247,7 +257,12 @@ def main() -> None:
         if args.induction:
             ids, weights = random_repeats(rows, length, min(args.induction_vocab, cfg.vocab_size), tasks.rng)
         else:
-            ids, weights = tasks.batch(rows, length, args.retrieval_share, args.repeat_share)
+            n_random = sum(tasks.rng.random() < args.random_share for _ in range(rows))
+            ids, weights = tasks.batch(rows - n_random, length, args.retrieval_share / (1 - args.random_share),
+                                       args.repeat_share / (1 - args.random_share))
+            if n_random:
+                more = random_repeats(n_random, length, min(args.induction_vocab, cfg.vocab_size), tasks.rng)
+                ids, weights = torch.cat([ids, more[0]]), torch.cat([weights, more[1]])
         ids = ids.to(device, non_blocking=True)
         weights = weights.to(device, non_blocking=True)
         lr = lr_at(step, args.steps, args.lr, args.warmup)
@@ -281,8 +296,8 @@ def main() -> None:
         "steps": step, "planned_steps": args.steps, "tokens": tokens_seen, "seconds": round(time.time() - start),
         "device": torch.cuda.get_device_name(device) if cuda else "cpu", "parameters": n_params,
         "batch_tokens": args.batch_tokens, "lr": args.lr, "warmup": args.warmup,
-        "induction": args.induction, "induction_vocab": args.induction_vocab if args.induction else None,
-        "retrieval_share": args.retrieval_share, "repeat_share": args.repeat_share, "curriculum": None if args.long_only or args.lengths else CURRICULUM, "lengths": args.lengths,
+        "induction": args.induction, "induction_vocab": args.induction_vocab if args.induction or args.random_share else None,
+        "retrieval_share": args.retrieval_share, "random_share": args.random_share, "repeat_share": args.repeat_share, "curriculum": None if args.long_only or args.lengths else CURRICULUM, "lengths": args.lengths,
         "resumed_from": args.resume, "seed": args.seed, "config": hf_config(cfg), "final": final,
     }, indent=2) + "\n")
 
