@@ -56,6 +56,26 @@ def test_masked_positions_as_data(window):
     assert out.abs().max() < 100
 
 
+@pytest.mark.parametrize("window", [None, 4])
+def test_masked_per_head_slots(window):
+    """Per-head slot positions (B, Hkv, S) take the folded path; each K/V head's group of query
+    heads is masked by its own positions. A shared mask (B, 1, S) takes the broadcast path; the
+    two agree when every head holds the same positions."""
+    q, k, v = _qkv(2, 6, 3, 3, 10, seed=4)
+    q_pos = torch.tensor([[7, 8, 9], [5, 6, 7]])
+    gen = torch.Generator().manual_seed(5)
+    k_pos = torch.stack([torch.stack([torch.randperm(10, generator=gen) for _ in range(3)]) for _ in range(2)])
+    k_pos[:, 1, 8:] = -1  # head 1 has empty slots
+    out = attention.masked(q, k, v, q_pos, k_pos, window=window)
+    for h in range(3):
+        group = slice(2 * h, 2 * h + 2)
+        ref = _reference(q[:, group], k[:, h : h + 1], v[:, h : h + 1], q_pos, k_pos[:, h], window)
+        assert torch.allclose(out[:, group], ref, atol=1e-5)
+    same = k_pos[:, :1].expand(-1, 3, -1)
+    shared = attention.masked(q, k, v, q_pos, k_pos[:, :1], window=window)
+    assert torch.allclose(shared, attention.masked(q, k, v, q_pos, same, window=window), atol=1e-6)
+
+
 def test_masked_query_blocks(monkeypatch):
     """Long chunks are processed QUERY_BLOCK queries at a time with the same result."""
     q, k, v = _qkv(1, 4, 2, 10, 14, seed=2)

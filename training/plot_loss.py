@@ -39,7 +39,13 @@ def main() -> None:
     ax_loss.set(xlabel="step", ylabel="cross-entropy (nats/token)", ylim=(None, min(8.0, ax_loss.get_ylim()[1])))
     ax_loss.legend()
     ax_loss.set_title("loss")
-    ax_key.plot([r["step"] for r in evals], [100 * r["passkey"] for r in evals], "o-", color="C2")
+    keyed = [r for r in evals if "passkey" in r]
+    ax_key.plot([r["step"] for r in keyed], [100 * r["passkey"] for r in keyed], "o-", color="C2")
+    # A log stitched from resumed stages (a "stage" field per record) gets a line where each begins.
+    starts = [r["step"] for i, r in enumerate(records) if "stage" in r and (i == 0 or records[i - 1].get("stage") != r["stage"])]
+    for ax in (ax_loss, ax_key):
+        for x in starts[1:]:
+            ax.axvline(x, color="grey", lw=0.6, ls=":")
     ax_key.set(xlabel="step", ylabel="passkey accuracy (%)", ylim=(-5, 105))
     ax_key.set_title("dense passkey (train.py --eval-length), depths 0-100%")
     fig.tight_layout()

@@ -81,22 +81,20 @@ def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
 
 
 def random_repeats(rows: int, length: int, vocab_size: int, rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids (rows, length + 1): after a random-token prefix of random length, a random block of
-    random period repeated to the end of the row; loss only on the repeats, where nothing but
-    attention to the previous period predicts the next token. The period and the prefix vary
-    from row to row, so no fixed distance or position solves it (the copy must match content),
-    and most of the row carries the copying signal."""
+    """ids (rows, length + 1) of random tokens in which a random span occurs twice, at random
+    offsets and distances; loss only on the second copy (after its first token), where nothing
+    but attention to the first copy predicts the next token. (A fixed distance would be solved
+    by position alone, and so, it turned out, is a row that repeats one block periodically: a
+    model trained on those copied them and nothing else.)"""
     ids = torch.randint(3, vocab_size, (rows, length + 1))
     ids[:, 0] = 0
     weights = torch.zeros(rows, length + 1)
     for r in range(rows):
-        period = rng.randrange(8, max(9, length // 4))
-        first = rng.randrange(1, max(2, length // 4))
-        block = ids[r, first : first + period].clone()
-        for at in range(first + period, length + 1, period):
-            n = min(period, length + 1 - at)
-            ids[r, at : at + n] = block[:n]
-        weights[r, first + period + 1 :] = 1.0
+        span = rng.randrange(8, max(9, length // 3))
+        first = rng.randrange(1, length + 1 - 2 * span)
+        second = rng.randrange(first + span, length + 2 - span)
+        ids[r, second : second + span] = ids[r, first : first + span]
+        weights[r, second + 1 : second + span] = 1.0
     return ids, weights
 
 
@@ -248,7 +246,7 @@ def main() -> None:
     while step < args.steps and time.time() - start < budget:
         frac = step / args.steps
         if args.induction:
-            length = 128
+            length = random.choice(args.lengths) if args.lengths else 128
         elif args.lengths:
             length = random.choice(args.lengths)
         else:
