@@ -165,11 +165,11 @@ def main() -> None:
     parser.add_argument("--repeat-share", type=float, default=0.25,
                         help="fraction of rows that repeat a span of text (an induction task)")
     parser.add_argument("--random-share", type=float, default=0.0,
-                        help="fraction of rows that are random tokens of random period (as --induction), "
-                             "mixed with the other rows")
+                        help="fraction of rows that are random tokens with one span repeated (the rows of "
+                             "--induction), mixed with the other rows")
     parser.add_argument("--induction", action="store_true",
-                        help="train only on repeated random token sequences of 128 tokens (forms the "
-                             "copying mechanism retrieval needs; a short stage of its own)")
+                        help="train only on random token rows with one span repeated, of 128 tokens or "
+                             "--lengths (forms the copying mechanism retrieval needs; a short stage of its own)")
     parser.add_argument("--induction-vocab", type=int, default=512,
                         help="random tokens of the induction stage are drawn from ids below this")
     fixed = parser.add_mutually_exclusive_group()
