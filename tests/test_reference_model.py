@@ -87,7 +87,10 @@ def test_dense_cache_equals_the_plain_forward_on_trained_weights(reference, fill
         expected = model(ids)
         cache = kvcache.make_cache(model, "dense", cache_length=300)
         got = torch.cat([model(ids[:, i : i + 37], cache) for i in range(0, 300, 37)], dim=1)
-    assert (got - expected).abs().max().item() <= CACHE_ATOL[torch.float32]
+    # float32 rounding grows with the size of the logits (the chunked and whole forwards sum in
+    # different orders), so the tolerance is relative to their scale.
+    scale = max(1.0, expected.abs().max().item())
+    assert (got - expected).abs().max().item() <= CACHE_ATOL[torch.float32] * scale
 
 
 def test_a_small_sink_cache_drifts_from_dense_and_a_covering_one_does_not(reference, filler):
