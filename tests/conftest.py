@@ -34,6 +34,7 @@ HF_ATOL = {
 # Largest max-abs logit difference accepted between a cached (chunked) run and the plain forward
 # of kvcache itself: only the matmul shapes differ, so this is tighter than HF_ATOL.
 CACHE_ATOL = {
+    torch.float64: 1e-10,
     torch.float32: 1e-5,
     torch.bfloat16: 1.5e-1,
     torch.float16: 2e-2,

@@ -81,16 +81,16 @@ def test_the_weights_are_trained(reference, filler):
 
 
 def test_dense_cache_equals_the_plain_forward_on_trained_weights(reference, filler):
-    model, _ = reference
+    # In float64, where the different summation orders of the chunked and the whole forward
+    # round away (in float32 the trained logits, up to about 15, differ by about 1e-5).
+    model = kvcache.load(dtype=torch.float64)
     ids = filler[None, :300]
     with torch.no_grad():
         expected = model(ids)
         cache = kvcache.make_cache(model, "dense", cache_length=300)
         got = torch.cat([model(ids[:, i : i + 37], cache) for i in range(0, 300, 37)], dim=1)
-    # float32 rounding grows with the size of the logits (the chunked and whole forwards sum in
-    # different orders), so the tolerance is relative to their scale.
-    scale = max(1.0, expected.abs().max().item())
-    assert (got - expected).abs().max().item() <= CACHE_ATOL[torch.float32] * scale
+    assert got.dtype == torch.float64
+    assert (got - expected).abs().max().item() <= CACHE_ATOL[torch.float64]
 
 
 def test_a_small_sink_cache_drifts_from_dense_and_a_covering_one_does_not(reference, filler):
@@ -116,13 +116,14 @@ def test_cli_generates_from_the_bundled_model_by_default(capsys):
 
 
 def test_dense_retrieves_passkeys_at_256_tokens(reference, filler):
-    """The bundled model retrieves a passkey hidden anywhere in 256 tokens (its card reports 100%
-    over 24 prompts), and a window cache too short to hold the needle loses it."""
+    """The bundled model retrieves a passkey hidden anywhere in 256 tokens (its card reports 23
+    of 24; here 4 of these 5 depths), and a 32-slot window, which holds none of a needle at depth
+    0-0.75, loses those."""
     model, tokenizer = reference
     tasks = TaskMaker(filler, tokenizer, seed=11)
     prompts = [tasks.passkey(256, depth=d) for d in (0.0, 0.25, 0.5, 0.75, 1.0)]
 
-    def retrieved(cache_length: int | None) -> int:
+    def retrieved(prompts, cache_length: int | None) -> int:
         hits = 0
         for prompt, answer in prompts:
             cache = None if cache_length is None else kvcache.make_cache(model, "window", cache_length=cache_length)
@@ -130,5 +131,6 @@ def test_dense_retrieves_passkeys_at_256_tokens(reference, filler):
             hits += out == answer
         return hits
 
-    assert retrieved(None) >= 4
-    assert retrieved(32) == 0
+    assert retrieved(prompts, None) >= 4
+    # Depth 1.0 puts the needle right before the question, inside even a small window.
+    assert retrieved(prompts[:4], 32) == 0
