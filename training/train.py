@@ -245,10 +245,10 @@ def main() -> None:
     last_save = last_eval = start
     while step < args.steps and time.time() - start < budget:
         frac = step / args.steps
-        if args.induction:
-            length = random.choice(args.lengths) if args.lengths else 128
-        elif args.lengths:
+        if args.lengths:
             length = random.choice(args.lengths)
+        elif args.induction:
+            length = 128
         else:
             length = 2048 if args.long_only else random.choice(lengths_at(frac))
         rows = max(1, args.batch_tokens // length)
