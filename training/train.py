@@ -186,6 +186,8 @@ def main() -> None:
     if not 0 <= args.random_share < 1 or args.retrieval_share + args.repeat_share + args.random_share > 1:
         parser.error("--retrieval-share, --repeat-share and --random-share must be non-negative and sum to at most 1 "
                      f"(--random-share below 1), got {args.retrieval_share}, {args.repeat_share}, {args.random_share}")
+    if args.induction_vocab < 4:
+        parser.error(f"--induction-vocab must be >= 4 (random ids are drawn from 3 up, past the special tokens), got {args.induction_vocab}")
     if args.eval_length < 64:
         parser.error(f"--eval-length must be >= 64 (a passkey prompt and its answer), got {args.eval_length}")
 
