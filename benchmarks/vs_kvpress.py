@@ -27,10 +27,11 @@ Tasks (query-agnostic, kvpress's protocol: the context is compressed first, then
                 press and ratio, engines taking turns, best of ``--repeats``.
 
 Ratios are kvpress's ``compression_ratio`` (the fraction REMOVED). Both engines keep
-``int((1 - r) * context)`` context tokens (kvpress's ``compute_n_kept``); that is kvcache's
-``cache_length``. kvpress's DynamicCache then grows by the question and answer (or continuation)
-tokens, while kvcache's cache keeps its capacity and evicts by its policy as they arrive
-(see docs/vs_kvpress.md for what differs per pair).
+``int((1 - r) * context)`` context tokens (kvpress's ``compute_n_kept``). kvpress's DynamicCache
+then grows by the question and answer (or continuation) tokens; kvcache's scoring policies do the
+same through ``reserve`` (cache_length = kept + the tokens that follow, reserve = those tokens),
+while its sink policy keeps ``kept`` slots and evicts as tokens arrive (see docs/vs_kvpress.md
+for what differs per pair).
 
 Set-up (kvpress 0.5.5 pins transformers < 5.3, so it gets its own virtual environment; kvcache
 installs into the same one, so both engines run in ONE process):
@@ -174,23 +175,33 @@ def kvpress_continuation(hf, press, context: torch.Tensor, cont: torch.Tensor) -
 # kvcache side
 
 
-def kvcache_cache(model, pair: Pair, kept: int, total: int):
+def kvcache_cache(model, pair: Pair, kept: int, context: int, total: int):
+    """The counterpart of a press that keeps ``kept`` of ``context`` tokens, for ``total`` tokens in all.
+
+    Scoring policies get ``reserve`` slots for the tokens after the context: the context is
+    compressed to ``kept`` once and the cache then grows, as kvpress's DynamicCache does. (The
+    reserve is capped so that the context still overflows; at kvpress's ratios it never binds.)
+    Ring policies (sink) have no reserve: they keep ``kept`` slots and evict as tokens arrive.
+    """
     if pair.policy == "dense":
         return kvcache.make_cache(model, "dense", cache_length=total)
-    return kvcache.make_cache(model, pair.policy, cache_length=kept, **pair.options)
+    if pair.policy == "sink":
+        return kvcache.make_cache(model, pair.policy, cache_length=kept, **pair.options)
+    reserve = max(0, min(total - context, context - kept - 1))
+    return kvcache.make_cache(model, pair.policy, cache_length=kept + reserve, reserve=reserve, **pair.options)
 
 
 def kvcache_answer(model, pair: Pair, prompt: list[int], context: int, kept: int, n_new: int) -> list[int]:
     """Query-agnostic: the first prefill chunk is the context alone (compressed to ``kept`` as it
     overflows), the second is the question; then greedy decode."""
-    cache = kvcache_cache(model, pair, kept, len(prompt) + n_new)
+    cache = kvcache_cache(model, pair, kept, context, len(prompt) + n_new)
     return kvcache.generate(model, prompt, max_new_tokens=n_new, cache=cache, stop_tokens=(),
                             prefill_chunk=context)
 
 
 @torch.inference_mode()
 def kvcache_continuation(model, pair: Pair, context: torch.Tensor, cont: torch.Tensor, kept: int) -> torch.Tensor:
-    cache = kvcache_cache(model, pair, kept, context.shape[1] + cont.shape[1])
+    cache = kvcache_cache(model, pair, kept, context.shape[1], context.shape[1] + cont.shape[1])
     model(context, cache, last_only=True)
     return model(cont, cache)[0].float()
 

@@ -157,6 +157,11 @@ def _parser() -> argparse.ArgumentParser:
         "--allocation", default="uniform", choices=("uniform", "pyramid"),
         help="how the budget is spread over layers (default: uniform)",
     )
+    gen.add_argument(
+        "--reserve", type=int, default=0, metavar="N",
+        help="h2o, tova, snapkv: an overflowing cache keeps cache-length - N tokens, then grows by N "
+             "without evicting (e.g. compress the prompt once, then generate N tokens; default: 0)",
+    )
     _add_policy_options(gen)
     gen.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="default: 128")
     gen.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 is greedy (default)")
@@ -211,7 +216,7 @@ def _generate(args: argparse.Namespace) -> None:
     # Built here rather than inside generate() so its memory can be reported afterwards.
     cache = make_cache(
         model, args.policy, cache_length=cache_length, prompt_length=len(ids),
-        allocation=args.allocation, **options,
+        allocation=args.allocation, reserve=args.reserve, **options,
     )
 
     # The tokenizer may name an end-of-text token the model config does not; stop at either.

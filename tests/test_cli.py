@@ -130,3 +130,24 @@ def test_fractional_cache_length_and_pyramid(model_dir, capsys):
     assert main(args) == 0
     n_prompt = len(kvcache.load_tokenizer(model_dir).encode(PROMPT * 4))
     assert f"(window, {round(0.5 * n_prompt)} slots)" in capsys.readouterr().err
+
+
+def test_reserve_reaches_the_cache(model_dir, capsys):
+    """`--reserve 4` generates what a cache made with reserve=4 does."""
+    args = ["generate", PROMPT * 3, "--model", str(model_dir), "--max-new-tokens", "6",
+            "--policy", "tova", "--cache-length", "8", "--reserve", "4"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    tokenizer = kvcache.load_tokenizer(model_dir)
+    model = kvcache.load(model_dir)
+    ids = tokenizer.encode(PROMPT * 3)
+    cache = kvcache.make_cache(model, "tova", cache_length=8, reserve=4)
+    expected = kvcache.generate(model, ids, max_new_tokens=6, cache=cache)
+    assert out == tokenizer.decode(expected) + "\n"
+
+
+def test_reserve_on_a_ring_policy_is_rejected(model_dir, capsys):
+    code = main(["generate", PROMPT, "--model", str(model_dir), "--policy", "window",
+                 "--cache-length", "8", "--reserve", "2"])
+    assert code == 2
+    assert "reserve does not apply to the window policy" in capsys.readouterr().err

@@ -43,6 +43,9 @@ class CacheSpec:
     inv_freq: torch.Tensor | None = None
     # How keys and values are kept: "full" (the model's dtype), "int8" or "int4" (see storage.py).
     storage: str = "full"
+    # Slots an evicting policy leaves free when a chunk overflows: it keeps cache_length - reserve
+    # tokens, and the next reserve tokens are appended without evicting (see evicting.py).
+    reserve: int = 0
 
     def __post_init__(self) -> None:
         if self.batch_size <= 0:

@@ -8,12 +8,23 @@ A policy is a subclass that says three things:
 Hp is 1 when all K/V heads of a row keep the same tokens (``per_head = False``) and Hkv when each
 head keeps its own. Empty candidates (position -1) rank lowest whatever their priority says.
 
-Two paths, with the same semantics:
-    decode  one token per row and no padding: the new token goes to the scratch slot
-            ``cache_length``, attention runs over all ``cache_length + 1`` slots (a fixed shape),
-            and the scratch slot is then moved over the lowest-priority slot. No copy of the cache.
+Occupied slots are always ``[0, held[b])`` for row b (``held`` is kept on the host). Three
+paths, with the same semantics:
+    append  every row has room for its chunk: nothing is evicted, the chunk is written after the
+            held slots and attended in place, as a dense cache would. A policy whose scores are
+            all made by the step that evicts (``observe_every_step = False``) skips the
+            attention weights here, so it costs what dense costs until the cache is full.
+    decode  one token per row and no padding, some row full: the new token goes to the scratch
+            slot ``cache_length``, attention runs over all ``cache_length + 1`` slots (a fixed
+            shape), and the scratch slot is then moved over the lowest-priority slot. No copy of
+            the cache.
     chunk   anything else: candidates are the kept slots followed by the chunk (N = C + T);
             the top C are gathered back into the buffers.
+
+``CacheSpec.reserve`` (R) makes eviction batched: a row that overflows keeps C - R tokens, not
+C, and the next R tokens are appended without evicting (kvpress's "compress the context, then
+let the cache grow" when R covers the question and answer). A decode step that overflows then
+takes the chunk path.
 """
 
 from __future__ import annotations
@@ -48,10 +59,21 @@ class EvictingCache(LayerCache):
     stats: tuple[str, ...] = ()
     # Whether ``observe`` needs attention mass; if not, attention uses the fused kernel.
     needs_attention: bool = False
+    # Whether scores build up over steps (h2o's running sums), so that every step's attention
+    # must be observed. When False, the step that evicts computes every score it ranks by
+    # (tova: the newest query; snapkv: the prompt's window), and steps that only append skip
+    # the attention weights.
+    observe_every_step: bool = False
 
     def __init__(self, spec: CacheSpec, options) -> None:
+        if not 0 <= spec.reserve < spec.cache_length:
+            raise ValueError(
+                f"reserve must lie in [0, cache_length) = [0, {spec.cache_length}), got {spec.reserve}"
+            )
         super().__init__(spec, options)
         self.storage = make_storage(spec, per_head=self.per_head)
+        # (B,) long, CPU: slots held per row, which are slots [0, held[b]).
+        self.held = torch.zeros(spec.batch_size, dtype=torch.long)
         Hp = self.storage.pos.shape[1]
         # One buffer for all statistics, so the decode step clears and moves them in one call each.
         self._stats = torch.zeros(len(self.stats), spec.batch_size, Hp, spec.cache_length + 1, device=spec.device)
@@ -85,10 +107,10 @@ class EvictingCache(LayerCache):
         the caller ranks lowest, so a policy need not)."""
 
     # ----- shared machinery ------------------------------------------------------------------
-    def _attend(self, q, k, v, q_pos, k_pos, step: Step, q_sink=None):
+    def _attend(self, q, k, v, q_pos, k_pos, step: Step, q_sink=None, observe: bool = True):
         """Attention over candidates; returns out and, if the policy observes, mass and seen."""
         rule = dict(window=self.window(), sinks=self.sinks(), limit=self.spec.window)
-        if not self.needs_attention and q_sink is None:
+        if not (observe and self.needs_attention) and q_sink is None:
             return self._outputs(q, k, v, q_pos, k_pos, step, rule), None, None
         weight = self.query_weight(step)  # (B, T)
         if q_sink is None:
@@ -115,9 +137,39 @@ class EvictingCache(LayerCache):
         return None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
-        if step.decode:
+        if bool((self.held + step.n_tokens <= self.spec.cache_length).all()):
+            return self._append(q, k, v, step)
+        if step.decode and not self.spec.reserve:
             return self._decode(q, k, v, step)
         return self._chunk(q, k, v, step)
+
+    def _append(self, q, k, v, step: Step) -> torch.Tensor:
+        """Every row has room for its chunk: write it after the held slots, attend in place."""
+        store, held = self.storage, self.held
+        even = step.uniform and bool((held == held[0]).all())
+        if even:
+            h = int(held[0])
+            store.write_slice(h, k, v, step.positions)
+            self._stats[..., h : h + step.num_tokens] = 0.0
+        else:
+            # Padding goes to the scratch slot, whose statistics are cleared with the rest.
+            t = torch.arange(step.num_tokens, device=k.device)
+            slots = torch.where(step.valid, held.to(k.device)[:, None] + t, self.spec.cache_length)
+            store.write(slots, k, v, step.positions)
+            n, B, Hp, _ = self._stats.shape
+            self._stats.scatter_(3, slots[None, :, None].expand(n, B, Hp, -1), 0.0)
+            store.pos[:, :, self.spec.cache_length] = -1
+        self.held = held + step.n_tokens
+        span = int(self.held.max())
+        ks, vs, pos = store.view(span)
+        if step.decode and even and not self.observe_every_step and self.window() is None and self.spec.window is None:
+            # Every held slot is visible to the new token: the dense decode call.
+            return attention.masked(q, ks, vs, step.positions, pos, all_visible=True)
+        out, mass, seen = self._attend(q, ks, vs, step.positions, pos, step, observe=self.observe_every_step)
+        if mass is not None:
+            stat = {name: s[:, :, :span] for name, s in self.stat.items()}
+            self.observe(stat, mass.detach(), seen, pos, vs.detach(), step)
+        return out
 
     def _decode(self, q, k, v, step: Step) -> torch.Tensor:
         C = self.spec.cache_length
@@ -146,6 +198,7 @@ class EvictingCache(LayerCache):
         lowest = prio == prio.amin(-1, keepdim=True)
         victim = torch.where(lowest, pos, torch.iinfo(torch.long).max).argmin(-1, keepdim=True)  # (B, Hp, 1)
         store.settle(victim, k, v, step.positions)
+        self.held = (self.held + 1).clamp(max=C)
         if self.stats:
             n, B, Hp, _ = self._stats.shape
             self._stats.scatter_(3, victim.expand(n, B, Hp, 1), self._stats[..., C : C + 1].clone())
@@ -179,7 +232,8 @@ class EvictingCache(LayerCache):
 
     def _keep(self, cand_k, cand_v, cand_pos, stat, step: Step, stored: int) -> None:
         """Gather the top-priority ``cache_length`` candidates back into the buffers; the first
-        ``stored`` candidates are the kept slots, the rest the chunk."""
+        ``stored`` candidates are the kept slots, the rest the chunk. A row that overflows keeps
+        ``cache_length - reserve`` of them."""
         C = self.spec.cache_length
         prio = self.priority(stat, cand_pos, step).masked_fill(cand_pos < 0, EMPTY)
         # Newest first, then a stable sort by priority: ties keep the newer token, whatever the slot order.
@@ -189,10 +243,18 @@ class EvictingCache(LayerCache):
         self.storage.keep(cand_k, cand_v, cand_pos, keep, stored=stored)
         for name, s in self.stat.items():
             s[:, :, :C] = stat[name].gather(2, keep)
+        total = self.held + step.n_tokens
+        over = total > C
+        self.held = torch.where(over, C - self.spec.reserve, total)
+        if self.spec.reserve and bool(over.any()):
+            # Slots hold candidates in rank order: past a row's ``held`` are the ones it drops.
+            dropped = torch.arange(C, device=cand_pos.device) >= self.held.to(cand_pos.device)[:, None, None]
+            self.storage.pos[:, :, :C].masked_fill_(dropped, -1)
 
     def reset(self) -> None:
         self.storage.reset()
         self._stats.zero_()
+        self.held.zero_()
 
     def nbytes(self) -> int:
         return self.storage.nbytes() + self._stats.numel() * self._stats.element_size()

@@ -81,6 +81,9 @@ def adaptive_head_budgets(
     window = min(window, T)
     # A SnapKV cache large enough to evict nothing records the pooled votes of the last tokens.
     probe = make_cache(model, "snapkv", cache_length=T + window + 1, window=window, kernel=kernel)
+    for layer in probe.layers:
+        # SnapKV computes votes only when it evicts, and this one never does: ask for them.
+        layer.observe_every_step = True
     model(input_ids, probe)
     budgets = []
     for layer in probe.layers:

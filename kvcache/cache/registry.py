@@ -131,6 +131,7 @@ def make_cache(
     prompt_length: int | None = None,
     allocation: str | Sequence[int] = "uniform",
     head_budgets: Sequence[Sequence[int]] | None = None,
+    reserve: int = 0,
     **options: object,
 ) -> KVCache:
     """A cache for ``model`` holding up to ``cache_length`` tokens per row for ``batch_size`` rows.
@@ -140,12 +141,18 @@ def make_cache(
     ``head_budgets[layer][head]`` instead gives every K/V head its own capacity (see
     ``adaptive_head_budgets``); each head is then allocated at its own size.
     ``options`` are the policy's own (see ``policy_options``). ``policy`` may name a storage too,
-    ``"h2o:int4"`` (see ``storages``; default full precision). Buffers are allocated here, once,
-    in the model's dtype and on its device.
+    ``"h2o:int4"`` (see ``storages``; default full precision). ``reserve`` (scoring policies:
+    h2o, tova, snapkv) makes eviction batched: a layer that overflows keeps ``cache_length -
+    reserve`` tokens, and the next ``reserve`` tokens are appended without evicting. With
+    ``cache_length = kept + reserve`` a prompt is compressed to ``kept`` tokens once and then
+    grows by up to ``reserve`` tokens, as kvpress does. Buffers are allocated here, once, in
+    the model's dtype and on its device.
     """
     policy_name, storage = parse_name(policy)
     cls = _lookup(policy_name)
     opts = _options(cls, options)
+    if isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0:
+        raise ValueError(f"reserve must be a non-negative int, got {reserve!r}")
     if isinstance(cache_length, float):
         if not 0 < cache_length < 1 or prompt_length is None:
             raise ValueError(
@@ -173,6 +180,7 @@ def make_cache(
             window=cfg.sliding_window,
             inv_freq=model.inv_freq,
             storage=storage,
+            reserve=reserve,
         )
         if head_budgets is None:
             layers.append(cls(spec, opts))

@@ -19,6 +19,20 @@ from .evicting import PROTECTED, EvictingCache
 class RingCache(EvictingCache):
     """An evicting cache whose slots are a function of positions (see module docstring)."""
 
+    def __init__(self, spec, options) -> None:
+        if spec.reserve:
+            raise ValueError(
+                f"reserve does not apply to the {self.name} policy: its ring keeps the newest tokens "
+                f"and is always full (reserve applies to scoring policies such as h2o, tova, snapkv)"
+            )
+        super().__init__(spec, options)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
+        # A ring appends at the slot its position names: no held-slot bookkeeping, no search.
+        if step.decode:
+            return self._decode(q, k, v, step)
+        return self._chunk(q, k, v, step)
+
     def slot(self, positions: torch.Tensor) -> torch.Tensor:
         """Slot of each position (any shape, long)."""
         S, C = self.sinks(), self.spec.cache_length

@@ -16,6 +16,8 @@ import torch
 
 import kvcache
 from kvcache import attention
+from kvcache.cache.evicting import EvictingCache
+from kvcache.cache.ring import RingCache
 
 # Largest max-abs logit difference accepted where a policy claims to be exact, per dtype (only the
 # shapes of the matmuls differ from the reference); the same values as conftest's CACHE_ATOL.
@@ -110,10 +112,13 @@ def kept(layer, b: int) -> list[list[int]]:
 
 
 def check_storage(cache) -> None:
-    """Capacity, scratch slot, uniqueness, and nothing but real past tokens, in every layer."""
+    """Capacity, scratch slot, uniqueness, and nothing but real past tokens, in every layer.
+
+    A layer with ``reserve`` R holds between C - R and C tokens once a row has seen more than C.
+    """
     lengths = cache.lengths.tolist()
     for i, layer in enumerate(cache.layers):
-        C = layer.spec.cache_length
+        C, R = layer.spec.cache_length, layer.spec.reserve
         pos = layer.storage.pos
         assert pos.shape[-1] == C + 1
         assert bool((pos[..., C] == -1).all()), f"layer {i}: scratch slot not empty: {pos[..., C].tolist()}"
@@ -122,7 +127,15 @@ def check_storage(cache) -> None:
                 where = f"layer {i} row {b} head {h} (length {L}, C {C}): {held}"
                 assert len(held) <= C, where
                 # Nothing is dropped while there is room, and nothing is held twice.
-                assert len(held) == min(C, L), where
+                if R and L > C:
+                    assert C - R <= len(held) <= C, where
+                else:
+                    assert len(held) == min(C, L), where
+                # Held slots are the first ones, as many as the layer counts (a ring places
+                # tokens by position instead).
+                if isinstance(layer, EvictingCache) and not isinstance(layer, RingCache):
+                    assert len(held) == int(layer.held[b]), where
+                    assert bool((pos[b, :, : len(held)] >= 0).all()), where
                 assert len(set(held)) == len(held), where
                 # Only real tokens already seen: no padding, nothing from the future.
                 assert all(0 <= p < L for p in held), where

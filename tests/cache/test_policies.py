@@ -37,7 +37,9 @@ from policy_util import (
 
 ATOL = EXACT_ATOL[torch.float32]
 VOCAB = 128  # the conftest llama
-POLICY_CASES = ["window", "sink:absolute", "sink:renumbered", "h2o", "tova", "snapkv"]
+# ":reserve" cases evict in batches: an overflowing row keeps C - reserve tokens.
+POLICY_CASES = ["window", "sink:absolute", "sink:renumbered", "h2o", "tova", "snapkv",
+                "h2o:reserve", "tova:reserve", "snapkv:reserve"]
 
 
 def _name(case: str) -> str:
@@ -45,18 +47,23 @@ def _name(case: str) -> str:
 
 
 def draw_options(draw, case: str, C: int) -> dict:
-    """Valid options of ``case`` for budget C (C >= 2)."""
+    """Valid options of ``case`` for budget C (C >= 2), with ``reserve`` for the ":reserve" cases."""
     if case.startswith("sink"):
         return dict(sinks=draw(st.integers(0, min(4, C - 1))), positions=case.split(":")[1])
-    if case == "h2o":
-        recent = draw(st.integers(0, C - 1))
-        return dict(recent=recent, sinks=draw(st.integers(0, min(3, C - 1 - recent))),
-                    normalize=draw(st.booleans()), value_norm=draw(st.booleans()))
-    if case == "snapkv":
-        return dict(window=draw(st.integers(1, C - 1)), kernel=draw(st.sampled_from([1, 3, 5])),
+    # SnapKV's window needs one kept slot besides itself.
+    most = C - 2 if case.startswith("snapkv") else C - 1
+    reserve = draw(st.integers(1, most)) if case.endswith(":reserve") and most >= 1 else 0
+    extra = dict(reserve=reserve) if reserve else {}
+    room = C - reserve  # what an overflowing row keeps
+    if case.startswith("h2o"):
+        recent = draw(st.integers(0, room - 1))
+        return dict(recent=recent, sinks=draw(st.integers(0, min(3, room - 1 - recent))),
+                    normalize=draw(st.booleans()), value_norm=draw(st.booleans()), **extra)
+    if case.startswith("snapkv"):
+        return dict(window=draw(st.integers(1, room - 1)), kernel=draw(st.sampled_from([1, 3, 5])),
                     pooling=draw(st.sampled_from(["avg", "max"])),
-                    fallback=draw(st.sampled_from(["window", "tova"])))
-    return {}
+                    fallback=draw(st.sampled_from(["window", "tova"])), **extra)
+    return extra
 
 
 @st.composite
@@ -110,10 +117,10 @@ class PolicyChecker:
                         assert held == list(range(max(0, L - C), L))
                     elif self.case.startswith("sink"):
                         assert held == expected_sink_positions(L, C, opts["sinks"])
-                    elif self.case == "h2o":
+                    elif self.case.startswith("h2o"):
                         protected = set(range(max(0, L - opts["recent"]), L)) | set(range(min(L, opts["sinks"])))
                         assert protected <= set(held), f"row {b}: {held} lacks {sorted(protected)}"
-                    elif self.case == "snapkv" and T > 1:
+                    elif self.case.startswith("snapkv") and T > 1:
                         # A multi-token chunk keeps its observation window (its last real tokens).
                         window = set(range(L - min(opts["window"], n[b]), L))
                         assert window <= set(held), f"row {b}: {held} lacks {sorted(window)}"
@@ -189,8 +196,12 @@ def test_policy_properties(llama, case):
 @pytest.mark.parametrize("case", POLICY_CASES)
 def test_queries_never_see_later_tokens_of_their_chunk(llama, case):
     """Changing the tail of a chunk leaves the logits of its head unchanged, cache full or not."""
-    options = {"window": {}, "tova": {}, "h2o": dict(recent=2, sinks=1), "snapkv": dict(window=3)}.get(
-        case, dict(sinks=2, positions=case.partition(":")[2]))
+    if case.startswith("sink"):
+        options = dict(sinks=2, positions=case.partition(":")[2])
+    else:
+        options = {"window": {}, "tova": {}, "h2o": dict(recent=2, sinks=1), "snapkv": dict(window=3)}[_name(case)]
+        if case.endswith(":reserve"):
+            options = dict(options, reserve=3)
     ids = ids_for(30, batch=2, seed=5, vocab=VOCAB)
     other = ids_for(30, batch=2, seed=6, vocab=VOCAB)
     with torch.inference_mode():

@@ -40,12 +40,15 @@ class H2OCache(EvictingCache):
     per_head = True
     stats = ("score",)
     needs_attention = True
+    observe_every_step = True
 
     def __init__(self, spec: CacheSpec, options: H2OOptions) -> None:
-        if options.recent + options.sinks >= spec.cache_length:
+        room = spec.cache_length - spec.reserve
+        if options.recent + options.sinks >= room:
             raise ValueError(
                 f"recent + sinks ({options.recent + options.sinks}) must be smaller than cache_length "
-                f"({spec.cache_length}) to leave room for heavy hitters"
+                f"({spec.cache_length})" + (f" - reserve ({spec.reserve})" if spec.reserve else "")
+                + " to leave room for heavy hitters"
             )
         # How many queries saw each token is needed (and kept) only to normalize.
         self.stats = ("score", "seen") if options.normalize else ("score",)

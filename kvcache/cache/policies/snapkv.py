@@ -49,9 +49,10 @@ class SnapKVCache(EvictingCache):
     needs_attention = True
 
     def __init__(self, spec, options: SnapKVOptions) -> None:
-        if options.window >= spec.cache_length:
+        if options.window >= spec.cache_length - spec.reserve:
             raise ValueError(
                 f"window ({options.window}) must be smaller than cache_length ({spec.cache_length})"
+                + (f" - reserve ({spec.reserve})" if spec.reserve else "")
             )
         super().__init__(spec, options)
 
