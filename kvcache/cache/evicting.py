@@ -162,10 +162,15 @@ class EvictingCache(LayerCache):
         self.held = held + step.n_tokens
         span = int(self.held.max())
         ks, vs, pos = store.view(span)
-        if step.decode and even and not self.observe_every_step and self.window() is None and self.spec.window is None:
-            # Every held slot is visible to the new token: the dense decode call.
-            return attention.masked(q, ks, vs, step.positions, pos, all_visible=True)
-        out, mass, seen = self._attend(q, ks, vs, step.positions, pos, step, observe=self.observe_every_step)
+        observe = self.needs_attention and self.observe_every_step
+        if step.decode and self.window() is None and self.spec.window is None:
+            # Every held slot is in the past: only the empty ones of shorter rows are hidden, and
+            # with equal rows none (then, without weights, this is the dense decode call).
+            visible = None if even else pos >= 0
+            out, mass = attention.decode(q, ks, vs, visible, want_mass=observe)
+            seen = 1.0 if visible is None else visible.float()
+        else:
+            out, mass, seen = self._attend(q, ks, vs, step.positions, pos, step, observe=observe)
         if mass is not None:
             stat = {name: s[:, :, :span] for name, s in self.stat.items()}
             self.observe(stat, mass.detach(), seen, pos, vs.detach(), step)
