@@ -28,17 +28,33 @@ import torch.nn.functional as F
 QUERY_BLOCK = 1024
 
 
-def causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None = None) -> torch.Tensor:
-    """Causal self-attention over one span.
+def causal(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int | None = None,
+    sinks: int = 0,
+    limit: int | None = None,
+) -> torch.Tensor:
+    """Causal self-attention over one span: query t and key t are both at position t.
 
-    q: (B, Hq, T, D); k, v: (B, Hkv, T, D) -> (B, Hq, T, D). ``window`` limits each query to the
-    ``window`` most recent keys (itself included), as model-level sliding-window attention does.
+    q: (B, Hq, T, D); k, v: (B, Hkv, T, D) -> (B, Hq, T, D). ``window``, ``sinks`` and ``limit``
+    restrict what each query sees as in ``visibility`` (``window`` alone is model-level
+    sliding-window attention). Queries before the nearer of ``window`` and ``limit`` see every
+    earlier key, so they take the fused causal kernel with no mask; only the later ones are masked.
     """
-    T = q.shape[2]
-    if window is not None and T > window:
-        pos = torch.arange(T, device=q.device).expand(q.shape[0], T)
-        return masked(q, k, v, pos, pos.unsqueeze(1), window=window)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    B, T = q.shape[0], q.shape[2]
+    gqa = q.shape[1] != k.shape[1]
+    reach = min([T] + [w for w in (window, limit) if w is not None])
+    if reach >= T:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    pos = torch.arange(T, device=q.device).expand(B, T)
+    out = torch.empty_like(q)
+    out[:, :, :reach] = F.scaled_dot_product_attention(
+        q[:, :, :reach], k[:, :, :reach], v[:, :, :reach], is_causal=True, enable_gqa=gqa)
+    out[:, :, reach:] = masked(q[:, :, reach:], k, v, pos[:, reach:], pos.unsqueeze(1),
+                               window=window, sinks=sinks, limit=limit)
+    return out
 
 
 def visibility(

@@ -72,7 +72,8 @@ def streaming(model, ids: torch.Tensor, policy: str, cache_length: int, chunk: i
     logits = torch.cat([model(ids[:, i : i + chunk], cache)[0] for i in range(0, ids.shape[1], chunk)])
     logp = F.log_softmax(logits[:-1].float(), dim=-1)
     nll = -logp.gather(1, ids[0, 1:, None]).mean().item()
-    kl = (reference.exp() * (reference - logp)).sum(-1).mean().item()
+    # KL is non-negative; rounding leaves about -1e-9 where the distributions are the same.
+    kl = max(0.0, (reference.exp() * (reference - logp)).sum(-1).mean().item())
     agree = (logp.argmax(-1) == reference.argmax(-1)).float().mean().item()
     return {"perplexity": math.exp(nll), "top1_agreement": agree, "kl": kl}
 

@@ -41,6 +41,21 @@ def test_causal_matches_reference(Hq, Hkv, window):
     assert torch.allclose(out, _reference(q, k, v, pos, pos, window), atol=1e-5)
 
 
+@pytest.mark.parametrize("Hq,Hkv", [(4, 2), (6, 1)])
+@pytest.mark.parametrize("window,sinks,limit", [(3, 2, None), (5, 1, 4), (20, 2, 6), (4, 0, None)])
+def test_causal_with_a_window_and_sinks_matches_masked(Hq, Hkv, window, sinks, limit):
+    """Queries within the window's reach take the fused kernel, the rest a masked call: together
+    they equal one masked call over the whole span with the same rule."""
+    q, k, v = _qkv(2, Hq, Hkv, 11, 11, seed=3)
+    pos = torch.arange(11).expand(2, 11)
+    out = attention.causal(q, k, v, window=window, sinks=sinks, limit=limit)
+    want = attention.masked(q, k, v, pos, pos.unsqueeze(1), window=window, sinks=sinks, limit=limit)
+    assert out.shape == q.shape
+    assert torch.allclose(out, want, atol=1e-5)
+    if sinks == 0 and limit is None:
+        assert torch.allclose(out, _reference(q, k, v, pos, pos, window), atol=1e-5)
+
+
 @pytest.mark.parametrize("window", [None, 4])
 def test_masked_positions_as_data(window):
     """Queries at positions 7..9 over 12 slots holding shuffled positions, some empty."""

@@ -117,7 +117,7 @@ def test_cli_generates_from_the_bundled_model_by_default(capsys):
 
 def test_dense_retrieves_passkeys_at_2048_tokens(reference, filler):
     """The bundled model retrieves a passkey hidden anywhere in 2048 tokens (its card reports 45
-    of 48, teacher-forced; here greedy, at least 4 of these 5 depths), and a 256-slot window,
+    of 48, teacher-forced; here greedy, all 5 of these depths, at least 4 required), and a 256-slot window,
     which holds none of a needle at depth 0-0.75, loses those."""
     model, tokenizer = reference
     tasks = TaskMaker(filler, tokenizer, seed=11)

@@ -126,10 +126,11 @@ class EvictingCache(LayerCache):
         return attention.masked_with_weights(q, k, v, q_pos, k_pos, weight, q_sink=q_sink, **rule)
 
     def _outputs(self, q, k, v, q_pos, k_pos, step: Step, rule: dict) -> torch.Tensor:
-        """Attention outputs without weights: a prompt alone in an empty cache, with no window
-        of the policy's, is plain causal attention (fused, no mask); anything else is masked."""
-        if step.fresh and step.uniform and k.shape[2] == q.shape[2] and rule["window"] is None:
-            return attention.causal(q, k, v, window=self.spec.window)
+        """Attention outputs without weights: a prompt alone in an empty cache is causal
+        attention (fused with no mask, at least for its queries within any window's reach);
+        anything else is masked."""
+        if step.fresh and step.uniform and k.shape[2] == q.shape[2]:
+            return attention.causal(q, k, v, **rule)
         return attention.masked(q, k, v, q_pos, k_pos, **rule)
 
     def _sink_queries(self, q: torch.Tensor, step: Step) -> torch.Tensor | None:
