@@ -26,6 +26,8 @@ import torch.nn.functional as F
 
 # Largest number of queries whose (query x key) mask and scores are materialised at once.
 QUERY_BLOCK = 1024
+# Queries per block of a windowed span (``causal``): each block attends over its band of keys.
+BAND_BLOCK = 256
 
 
 def causal(
@@ -35,25 +37,52 @@ def causal(
     window: int | None = None,
     sinks: int = 0,
     limit: int | None = None,
+    q_sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal self-attention over one span: query t and key t are both at position t.
 
     q: (B, Hq, T, D); k, v: (B, Hkv, T, D) -> (B, Hq, T, D). ``window``, ``sinks`` and ``limit``
     restrict what each query sees as in ``visibility`` (``window`` alone is model-level
-    sliding-window attention). Queries before the nearer of ``window`` and ``limit`` see every
-    earlier key, so they take the fused causal kernel with no mask; only the later ones are masked.
+    sliding-window attention). ``q_sink`` (B, Hq, T, D), if given, scores the keys at positions
+    below ``sinks`` instead of q (renumbered sinks); it must equal q for the queries before the
+    nearer of ``window`` and ``limit``.
+
+    Those queries see every earlier key, so they take the fused causal kernel with no mask. The
+    later ones go in blocks of ``BAND_BLOCK`` queries, each over the keys it can see at all (the
+    sinks and the band from its first query's reach to its last query), with a mask built from
+    positions: O(T x (window + BAND_BLOCK)) work rather than O(T x T).
     """
-    B, T = q.shape[0], q.shape[2]
-    gqa = q.shape[1] != k.shape[1]
+    B, Hq, T, D = q.shape
+    Hkv = k.shape[1]
+    gqa = Hq != Hkv
     reach = min([T] + [w for w in (window, limit) if w is not None])
     if reach >= T:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    pos = torch.arange(T, device=q.device).expand(B, T)
+    pos = torch.arange(T, device=q.device)
     out = torch.empty_like(q)
     out[:, :, :reach] = F.scaled_dot_product_attention(
         q[:, :, :reach], k[:, :, :reach], v[:, :, :reach], is_causal=True, enable_gqa=gqa)
-    out[:, :, reach:] = masked(q[:, :, reach:], k, v, pos[:, reach:], pos.unsqueeze(1),
-                               window=window, sinks=sinks, limit=limit)
+    for start in range(reach, T, BAND_BLOCK):
+        stop = min(start + BAND_BLOCK, T)
+        n = stop - start
+        low = start - reach + 1  # the oldest key any query of the block sees by recency
+        S = min(sinks, low)  # sink keys that lie before the band
+        keys = torch.cat((pos[:S], pos[low:stop]))
+        kb = torch.cat((k[:, :, :S], k[:, :, low:stop]), dim=2)
+        vb = torch.cat((v[:, :, :S], v[:, :, low:stop]), dim=2)
+        vis = visibility(pos[None, start:stop].expand(B, n), keys.expand(B, 1, -1), window, sinks, limit)
+        qb = q[:, :, start:stop]
+        if q_sink is None:
+            out[:, :, start:stop] = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=vis, enable_gqa=gqa)
+            continue
+        # Renumbered sinks: the sink columns get (q_sink - q) . k_s added to their scores, which
+        # turns q . k_s into q_sink . k_s; one float mask per query head carries it.
+        ns = int((keys < sinks).sum())
+        delta = (q_sink[:, :, start:stop] - qb).reshape(B, Hkv, -1, D) @ kb[:, :, :ns].transpose(-1, -2)
+        bias = qb.new_zeros(B, Hq, n, kb.shape[2])
+        bias[..., :ns] = delta.view(B, Hq, n, ns) * D**-0.5
+        bias.masked_fill_(~vis, float("-inf"))
+        out[:, :, start:stop] = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=bias, enable_gqa=gqa)
     return out
 
 

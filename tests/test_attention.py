@@ -56,6 +56,27 @@ def test_causal_with_a_window_and_sinks_matches_masked(Hq, Hkv, window, sinks, l
         assert torch.allclose(out, _reference(q, k, v, pos, pos, window), atol=1e-5)
 
 
+@pytest.mark.parametrize("window,sinks,limit", [(100, 4, None), (120, 0, 90), (64, 3, 300)])
+@pytest.mark.parametrize("renumbered", [False, True])
+def test_causal_bands_a_long_windowed_span(window, sinks, limit, renumbered):
+    """Past the window's reach, queries go in blocks over their band of keys (several blocks
+    here, most starting past the sinks). With ``q_sink`` the sink keys are scored by it: the
+    result equals the explicit-softmax path that scores them so."""
+    T = 2 * attention.BAND_BLOCK + 90
+    q, k, v = _qkv(1, 4, 2, T, T, seed=4)
+    pos = torch.arange(T).expand(1, T)
+    reach = min(window, limit or T)
+    q_sink = None
+    if renumbered:
+        g = torch.Generator().manual_seed(5)
+        q_sink = q.clone()
+        q_sink[:, :, reach:] = torch.randn(q[:, :, reach:].shape, generator=g)
+    out = attention.causal(q, k, v, window=window, sinks=sinks, limit=limit, q_sink=q_sink)
+    want, _, _ = attention.masked_with_weights(q, k, v, pos, pos.unsqueeze(1), torch.ones(1, T),
+                                               window=window, sinks=sinks, limit=limit, q_sink=q_sink)
+    assert torch.allclose(out, want, atol=1e-5)
+
+
 @pytest.mark.parametrize("window", [None, 4])
 def test_masked_positions_as_data(window):
     """Queries at positions 7..9 over 12 slots holding shuffled positions, some empty."""

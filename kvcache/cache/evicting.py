@@ -110,8 +110,10 @@ class EvictingCache(LayerCache):
     def _attend(self, q, k, v, q_pos, k_pos, step: Step, q_sink=None, observe: bool = True):
         """Attention over candidates; returns out and, if the policy observes, mass and seen."""
         rule = dict(window=self.window(), sinks=self.sinks(), limit=self.spec.window)
-        if not (observe and self.needs_attention) and q_sink is None:
-            return self._outputs(q, k, v, q_pos, k_pos, step, rule), None, None
+        # A prompt alone in an empty cache: the candidates are the chunk itself.
+        span = step.fresh and step.uniform and k.shape[2] == q.shape[2]
+        if not (observe and self.needs_attention) and (q_sink is None or span):
+            return self._outputs(q, k, v, q_pos, k_pos, step, rule, q_sink), None, None
         weight = self.query_weight(step)  # (B, T)
         if q_sink is None:
             # A policy that listens to a few queries only (TOVA: the newest; SnapKV: its window)
@@ -125,12 +127,12 @@ class EvictingCache(LayerCache):
                 return out, mass, seen
         return attention.masked_with_weights(q, k, v, q_pos, k_pos, weight, q_sink=q_sink, **rule)
 
-    def _outputs(self, q, k, v, q_pos, k_pos, step: Step, rule: dict) -> torch.Tensor:
+    def _outputs(self, q, k, v, q_pos, k_pos, step: Step, rule: dict, q_sink=None) -> torch.Tensor:
         """Attention outputs without weights: a prompt alone in an empty cache is causal
-        attention (fused with no mask, at least for its queries within any window's reach);
-        anything else is masked."""
+        attention (fused with no mask for its queries within any window's reach, banded for
+        the rest); anything else is masked. ``q_sink`` is supported on the first path only."""
         if step.fresh and step.uniform and k.shape[2] == q.shape[2]:
-            return attention.causal(q, k, v, **rule)
+            return attention.causal(q, k, v, q_sink=q_sink, **rule)
         return attention.masked(q, k, v, q_pos, k_pos, **rule)
 
     def _sink_queries(self, q: torch.Tensor, step: Step) -> torch.Tensor | None:

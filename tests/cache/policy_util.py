@@ -194,13 +194,12 @@ class AttentionRecorder:
             self.calls.append(dict(q_pos=q_pos, k_pos=k_pos, vis=vis.unsqueeze(2)))
             return orig[2](q, k, v, visible, **kwargs)
 
-        def causal(q, k, v, window=None, sinks=0, limit=None):
+        def causal(q, k, v, window=None, sinks=0, limit=None, q_sink=None):
             # A prompt alone in empty caches: positions 0..T-1 in every row, keys at the same.
-            # (The masked call it makes for queries beyond a window's reach is recorded too.)
             B, T = q.shape[0], q.shape[2]
             pos = torch.arange(T, device=q.device).expand(B, T)
             record(pos, pos.unsqueeze(1), window, sinks, limit)
-            return orig[3](q, k, v, window=window, sinks=sinks, limit=limit)
+            return orig[3](q, k, v, window=window, sinks=sinks, limit=limit, q_sink=q_sink)
 
         attention.masked, attention.masked_with_weights, attention.decode, attention.causal = (
             masked, masked_with_weights, decode, causal)
