@@ -77,7 +77,7 @@ def causal(
             continue
         # Renumbered sinks: the sink columns get (q_sink - q) . k_s added to their scores, which
         # turns q . k_s into q_sink . k_s; one float mask per query head carries it.
-        ns = int((keys < sinks).sum())
+        ns = S + max(0, min(sinks, stop) - low)  # keys below ``sinks``, a prefix of ``keys``
         delta = (q_sink[:, :, start:stop] - qb).reshape(B, Hkv, -1, D) @ kb[:, :, :ns].transpose(-1, -2)
         bias = qb.new_zeros(B, Hq, n, kb.shape[2])
         bias[..., :ns] = delta.view(B, Hq, n, ns) * D**-0.5

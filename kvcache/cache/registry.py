@@ -168,6 +168,15 @@ def make_cache(
         if len(head_budgets) != cfg.num_layers:
             raise ValueError(f"head_budgets needs one list per layer ({cfg.num_layers}), got {len(head_budgets)}")
         budgets = [max(1, round(sum(layer) / cfg.num_kv_heads)) for layer in head_budgets]
+    if reserve:
+        # Checked before any layer is made, so that no policy's own check reports it first.
+        sizes = budgets if head_budgets is None else [b for layer in head_budgets for b in layer]
+        smallest = min(sizes, default=0)
+        if reserve >= smallest:
+            raise ValueError(
+                f"reserve must lie in [0, cache_length) for every layer and head; got reserve={reserve} "
+                f"with a smallest budget of {smallest}"
+            )
     layers: list[LayerCache] = []
     for i, budget in enumerate(budgets):
         spec = CacheSpec(

@@ -89,8 +89,10 @@ def test_reserve_is_validated(llama):
     for ring in ("window", "sink"):
         with pytest.raises(ValueError, match=f"reserve does not apply to the {ring} policy"):
             kvcache.make_cache(llama, ring, cache_length=8, reserve=2)
-    with pytest.raises(ValueError, match=r"reserve must lie in \[0, cache_length\)"):
-        kvcache.make_cache(llama, "tova", cache_length=8, reserve=8)
+    for policy, options in [("tova", {}), ("h2o", {}), ("snapkv", {})]:
+        # Reported as what it is, not as the policy's own window or recent tokens not fitting.
+        with pytest.raises(ValueError, match=r"reserve must lie in \[0, cache_length\)"):
+            kvcache.make_cache(llama, policy, cache_length=8, reserve=8, **options)
     for bad in (-1, True, 2.0):
         with pytest.raises(ValueError, match="reserve must be a non-negative int"):
             kvcache.make_cache(llama, "tova", cache_length=8, reserve=bad)
