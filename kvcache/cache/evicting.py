@@ -110,9 +110,10 @@ class EvictingCache(LayerCache):
     def _attend(self, q, k, v, q_pos, k_pos, step: Step, q_sink=None, observe: bool = True):
         """Attention over candidates; returns out and, if the policy observes, mass and seen."""
         rule = dict(window=self.window(), sinks=self.sinks(), limit=self.spec.window)
-        # A prompt alone in an empty cache: the candidates are the chunk itself.
-        span = step.fresh and step.uniform and k.shape[2] == q.shape[2]
-        if not (observe and self.needs_attention) and (q_sink is None or span):
+        # A prompt alone in an empty cache (the candidates are the chunk itself) takes renumbered
+        # sinks on the fused path too (see ``_outputs``).
+        alone = step.fresh and step.uniform and k.shape[2] == q.shape[2]
+        if not (observe and self.needs_attention) and (q_sink is None or alone):
             return self._outputs(q, k, v, q_pos, k_pos, step, rule, q_sink), None, None
         weight = self.query_weight(step)  # (B, T)
         if q_sink is None:
