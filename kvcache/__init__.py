@@ -1,6 +1,6 @@
 """kvcache: KV caching for decoder-only language models, exact where it claims to be."""
 
-from .cache import KVCache, LayerCache, adaptive_head_budgets, make_cache, policies, policy_options, storages
+from .cache import KVCache, LayerCache, adaptive_head_budgets, make_cache, option_info, policies, policy_options, storages
 from .checkpoint import Tokenizer, load, load_tokenizer
 from .config import ModelConfig, RopeConfig
 from .errors import CapacityError, CheckpointError, KVCacheError
@@ -24,6 +24,7 @@ __all__ = [
     "load",
     "load_tokenizer",
     "make_cache",
+    "option_info",
     "policies",
     "policy_options",
     "storages",

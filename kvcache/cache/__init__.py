@@ -1,7 +1,14 @@
 """The KV cache: contract, storages, policies and their registry."""
 
 from .base import CacheSpec, KVCache, LayerCache, Step
-from .headwise import HeadwiseCache, adaptive_head_budgets
-from .registry import layer_budgets, make_cache, policies, policy_options, register, storages
+from .budgets import adaptive_head_budgets, layer_budgets
+from .candidates import Candidates
+from .headwise import HeadwiseCache
+from .options import OptionInfo, option
+from .registry import budget_options, make_cache, option_info, policies, policy_options, register, storages
 
-__all__ = ["HeadwiseCache", "adaptive_head_budgets", "CacheSpec", "KVCache", "LayerCache", "Step", "layer_budgets", "make_cache", "policies", "policy_options", "register", "storages"]
+__all__ = [
+    "Candidates", "CacheSpec", "HeadwiseCache", "KVCache", "LayerCache", "OptionInfo", "Step",
+    "adaptive_head_budgets", "budget_options", "layer_budgets", "make_cache", "option", "option_info",
+    "policies", "policy_options", "register", "storages",
+]

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import CapacityError
+from .options import NoOptions
 
 
 @dataclass(frozen=True)
@@ -98,11 +99,30 @@ class Step:
 
 
 class LayerCache(ABC):
-    """The cache of one attention layer."""
+    """The cache of one attention layer.
+
+    A policy is a subclass with a ``name``, a one-line ``description`` and, if it has options, a
+    frozen dataclass ``Options`` (see options.py); the registry finds it in policies/.
+    """
+
+    name: str
+    description: str
+    Options: type = NoOptions
+    # Whether the cache may drop tokens. One that does not (dense) rejects a chunk that does not fit.
+    evicts: bool = True
+    # Whether ``CacheSpec.reserve`` (batched eviction) applies.
+    supports_reserve: bool = False
 
     def __init__(self, spec: CacheSpec, options: object = None) -> None:
         self.spec = spec
         self.options = options
+
+    @classmethod
+    def options_for_budget(cls, cache_length: int) -> dict[str, object]:
+        """Options as the policy's paper sets them for a budget of ``cache_length`` slots (used
+        by ``kvcache eval`` and the benchmarks, and by ``make_cache`` for options the user did
+        not give whose defaults do not fit a small budget). Default: none."""
+        return {}
 
     @abstractmethod
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:

@@ -1,12 +1,15 @@
 """The machinery shared by bounded caches: attend over what is kept plus the new chunk, then keep
 the ``cache_length`` candidates with the highest priority.
 
-A policy is a subclass that says three things:
-    ``window``/``sinks``  which candidates a query may see (beyond causality),
-    ``observe``           what to remember from the attention the cache computed anyway (optional),
-    ``priority``          (B, Hp, N) float per candidate; the top ``cache_length`` stay.
-Hp is 1 when all K/V heads of a row keep the same tokens (``per_head = False``) and Hkv when each
-head keeps its own. Empty candidates (position -1) rank lowest whatever their priority says.
+A policy is a subclass in its own file under policies/ (the registry finds it there) that says:
+    ``priority(c)``       (B, Hp, N) float per candidate; the top ``cache_length`` stay;
+    ``observe(c)``        what to remember from this call (optional): per-slot statistics from
+                          the attention the cache computed anyway, or anything else in ``c``;
+    ``window``/``sinks``  which candidates a query may see beyond causality (optional).
+Both hooks receive one ``Candidates`` object (candidates.py): keys, values, positions and
+statistics of the N tokens, and the call's queries. Hp is 1 when all K/V heads of a row keep the
+same tokens (``per_head = False``) and Hkv when each head keeps its own. Empty candidates
+(position -1) rank lowest whatever their priority says.
 
 Occupied slots are always ``[0, held[b])`` for row b (``held`` is kept on the host). Three
 paths, with the same semantics:
@@ -29,13 +32,14 @@ takes the chunk path.
 
 from __future__ import annotations
 
+import dataclasses
 from abc import abstractmethod
-from dataclasses import dataclass, fields
 
 import torch
 
 from .. import attention
 from .base import CacheSpec, LayerCache, Step
+from .candidates import Candidates
 from .storage import make_storage
 
 # Added to a priority to make a candidate outrank every scored one (sinks, the recent window).
@@ -43,33 +47,26 @@ PROTECTED = 1e30
 EMPTY = float("-inf")
 
 
-@dataclass(frozen=True)
-class NoOptions:
-    """A policy without options."""
-
-
 class EvictingCache(LayerCache):
     """A bounded layer cache that evicts by priority (see module docstring)."""
 
     name: str
     description: str
-    Options: type = NoOptions
     per_head: bool = False
     # Names of per-slot float32 statistics (B, Hp, C + 1) carried along with the keys.
     stats: tuple[str, ...] = ()
-    # Whether ``observe`` needs attention mass; if not, attention uses the fused kernel.
+    # Whether ``observe`` needs attention mass; if not, attention uses the fused kernel and
+    # ``observe`` is called every step without it.
     needs_attention: bool = False
     # Whether scores build up over steps (h2o's running sums), so that every step's attention
     # must be observed. When False, the step that evicts computes every score it ranks by
     # (tova: the newest query; snapkv: the prompt's window), and steps that only append skip
     # the attention weights.
     observe_every_step: bool = False
+    # Whether ``reserve`` (batched eviction) applies; a ring, always full, has no use for it.
+    supports_reserve: bool = True
 
     def __init__(self, spec: CacheSpec, options) -> None:
-        if not 0 <= spec.reserve < spec.cache_length:
-            raise ValueError(
-                f"reserve must lie in [0, cache_length) = [0, {spec.cache_length}), got {spec.reserve}"
-            )
         super().__init__(spec, options)
         self.storage = make_storage(spec, per_head=self.per_head)
         # (B,) long, CPU: slots held per row, which are slots [0, held[b]).
@@ -93,18 +90,16 @@ class EvictingCache(LayerCache):
         """(B, T) weight of each query in the attention mass that ``observe`` receives."""
         return step.valid.float()
 
-    def observe(self, stat: dict[str, torch.Tensor], mass: torch.Tensor, seen: torch.Tensor,
-                pos: torch.Tensor, values: torch.Tensor, step: Step) -> None:
-        """Update per-candidate statistics in place.
-
-        mass: (B, Hkv, N) attention received; seen: (B, Hp, N) count of queries that saw each
-        candidate (or 1.0 when one query saw them all); pos: (B, Hp, N); values: (B, Hkv, N, D).
-        """
+    def observe(self, c: Candidates) -> None:
+        """Update ``c.stats`` (or the policy's own state) from this call. Called after attention
+        whenever the call computed ``c.mass`` (a policy that ``needs_attention``), and on every
+        call, with ``c.mass`` None, for a policy that does not."""
 
     @abstractmethod
-    def priority(self, stat: dict[str, torch.Tensor], pos: torch.Tensor, step: Step) -> torch.Tensor:
-        """(B, Hp, N) priority of each candidate at positions ``pos`` (B, Hp, N) (-1: empty, which
-        the caller ranks lowest, so a policy need not)."""
+    def priority(self, c: Candidates) -> torch.Tensor:
+        """(B, Hp, N) priority of each candidate; the highest ``cache_length`` stay. Empty slots
+        (``c.positions`` -1) are ranked lowest by the caller, so a policy need not; ties go to
+        the newer token."""
 
     # ----- shared machinery ------------------------------------------------------------------
     def _attend(self, q, k, v, q_pos, k_pos, step: Step, q_sink=None, observe: bool = True):
@@ -175,10 +170,19 @@ class EvictingCache(LayerCache):
             seen = 1.0 if visible is None else visible.float()
         else:
             out, mass, seen = self._attend(q, ks, vs, step.positions, pos, step, observe=observe)
-        if mass is not None:
-            stat = {name: s[:, :, :span] for name, s in self.stat.items()}
-            self.observe(stat, mass.detach(), seen, pos, vs.detach(), step)
+        stat = {name: s[:, :, :span] for name, s in self.stat.items()}
+        self._observe(Candidates(ks, vs, pos, stat, q, step), mass, seen)
         return out
+
+    def _observe(self, c: Candidates, mass: torch.Tensor | None, seen: torch.Tensor | float) -> None:
+        """Show the policy this call: with the attention mass it asked for, or, if it needs none,
+        every call. Statistics decide what is kept; they carry no gradient."""
+        if mass is None and self.needs_attention:
+            return
+        self.observe(dataclasses.replace(
+            c, keys=c.keys.detach(), values=c.values.detach(), queries=c.queries.detach(),
+            mass=None if mass is None else mass.detach(), seen=seen,
+        ))
 
     def _decode(self, q, k, v, step: Step) -> torch.Tensor:
         C = self.spec.cache_length
@@ -194,12 +198,9 @@ class EvictingCache(LayerCache):
         else:
             visible = attention.visibility(step.positions, pos, self.window(), self.sinks(), self.spec.window)[:, :, 0]
         out, mass = attention.decode(q, ks, vs, visible, want_mass=self.needs_attention)
-        if mass is not None:
-            if mass.requires_grad:
-                # Statistics decide what is kept; they carry no gradient (nor keep any graph alive).
-                mass, vs = mass.detach(), vs.detach()
-            self.observe(self.stat, mass, 1.0 if visible is None else visible.float(), pos, vs, step)
-        prio = self.priority(self.stat, pos, step)
+        c = Candidates(ks, vs, pos, self.stat, q, step)
+        self._observe(c, mass, 1.0 if visible is None else visible.float())
+        prio = self.priority(c)
         if not full:
             prio = prio.masked_fill(pos < 0, EMPTY)
         # Among equally low priorities evict the oldest, so what is kept depends on positions,
@@ -234,17 +235,18 @@ class EvictingCache(LayerCache):
         }
         out, mass, seen = self._attend(q, cand_k, cand_v, step.positions, cand_pos, step,
                                        self._sink_queries(q, step))
-        if mass is not None:
-            self.observe(stat, mass.detach(), seen, cand_pos, cand_v.detach(), step)
-        self._keep(cand_k, cand_v, cand_pos, stat, step, stored)
+        c = Candidates(cand_k, cand_v, cand_pos, stat, q, step)
+        self._observe(c, mass, seen)
+        self._keep(c, stored)
         return out
 
-    def _keep(self, cand_k, cand_v, cand_pos, stat, step: Step, stored: int) -> None:
+    def _keep(self, c: Candidates, stored: int) -> None:
         """Gather the top-priority ``cache_length`` candidates back into the buffers; the first
         ``stored`` candidates are the kept slots, the rest the chunk. A row that overflows keeps
         ``cache_length - reserve`` of them."""
         C = self.spec.cache_length
-        prio = self.priority(stat, cand_pos, step).masked_fill(cand_pos < 0, EMPTY)
+        cand_k, cand_v, cand_pos, stat, step = c.keys, c.values, c.positions, c.stats, c.step
+        prio = self.priority(c).masked_fill(cand_pos < 0, EMPTY)
         # Newest first, then a stable sort by priority: ties keep the newer token, whatever the slot order.
         by_age = cand_pos.argsort(dim=-1, descending=True, stable=True)
         ranked = prio.gather(2, by_age).sort(dim=-1, descending=True, stable=True).indices
@@ -269,10 +271,10 @@ class EvictingCache(LayerCache):
         return self.storage.nbytes() + self._stats.numel() * self._stats.element_size()
 
 
-def option_names(options_cls: type) -> list[str]:
-    return [f.name for f in fields(options_cls)]
-
-
-def newest(step: Step) -> torch.Tensor:
-    """(B, 1, 1) position of each row's newest token after this step, to broadcast over (B, Hp, N)."""
-    return step.newest[:, None, None]
+def require_room(spec: CacheSpec, what: str, n: int, purpose: str = "") -> None:
+    """Raise ValueError unless ``n`` always-kept tokens (``what``, e.g. "recent + sinks") leave
+    room in what an overflowing row keeps (``cache_length - reserve``)."""
+    room = spec.cache_length - spec.reserve
+    if n >= room:
+        reserve = f" - reserve ({spec.reserve})" if spec.reserve else ""
+        raise ValueError(f"{what} ({n}) must be smaller than cache_length ({spec.cache_length}){reserve}{purpose}")

@@ -1,50 +1,76 @@
-"""Policy names -> layer cache classes, typed options, per-layer budgets, and ``make_cache``.
+"""Policy names -> layer cache classes, their typed options, and ``make_cache``.
 
 A cache is named ``policy[:storage]``: ``h2o`` keeps the tokens H2O picks at full precision,
 ``h2o:int4`` keeps the tokens it picks as 4-bit codes. Any policy pairs with any storage.
+
+The built-in policies are found, not listed: every module under ``policies/`` is imported on
+first use and each layer cache class defined there with a ``name`` is registered. Adding a
+policy is adding a file. Policies defined elsewhere register with ``register``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import inspect
+import pkgutil
 from typing import Sequence
 
 import torch
 
+from . import policies as _policy_package
 from .base import CacheSpec, KVCache, LayerCache
-from .evicting import NoOptions
+from .budgets import layer_budgets
 from .headwise import HeadwiseCache
-from .policies.dense import DenseCache
-from .policies.h2o import H2OCache
-from .policies.sink import SinkCache
-from .policies.snapkv import SnapKVCache
-from .policies.tova import TOVACache
-from .policies.window import WindowCache
+from .options import OptionInfo, build, describe
 from .storage import STORAGES
 
 _POLICIES: dict[str, type[LayerCache]] = {}
-
-ALLOCATIONS = ("uniform", "pyramid")
-# PyramidKV's top layer keeps cache_length / PYRAMID_BETA tokens; the bottom layer what is left.
-PYRAMID_BETA = 20
+_DISCOVERED = False
 
 
 def register(cls: type[LayerCache]) -> type[LayerCache]:
     """Register a layer cache class under its ``name`` (usable as a class decorator)."""
-    if cls.name in _POLICIES:
-        raise ValueError(f"a policy named {cls.name!r} is already registered")
-    if ":" in cls.name:
-        raise ValueError(f"a policy name cannot contain ':' (it separates the storage), got {cls.name!r}")
-    _POLICIES[cls.name] = cls
+    _discover()
+    return _add(cls)
+
+
+def _add(cls: type[LayerCache]) -> type[LayerCache]:
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{cls.__name__} needs a class attribute `name` (a non-empty string) to be registered")
+    if ":" in name:
+        raise ValueError(f"a policy name cannot contain ':' (it separates the storage), got {name!r}")
+    if _POLICIES.get(name, cls) is not cls:
+        raise ValueError(f"a policy named {name!r} is already registered")
+    _POLICIES[name] = cls
     return cls
 
 
-for _cls in (DenseCache, WindowCache, SinkCache, H2OCache, TOVACache, SnapKVCache):
-    register(_cls)
+def _discover() -> None:
+    """Import every module of the policies package and register the policies defined there."""
+    global _DISCOVERED
+    if _DISCOVERED:
+        return
+    _DISCOVERED = True
+    for info in sorted(pkgutil.iter_modules(_policy_package.__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"{_policy_package.__name__}.{info.name}")
+        for _, cls in inspect.getmembers(module, inspect.isclass):
+            if (cls.__module__ == module.__name__ and issubclass(cls, LayerCache)
+                    and not inspect.isabstract(cls) and "name" in vars(cls)):
+                _add(cls)
+
+
+def _lookup(policy: str) -> type[LayerCache]:
+    _discover()
+    if policy not in _POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; available: {', '.join(sorted(_POLICIES))}")
+    return _POLICIES[policy]
 
 
 def policies() -> dict[str, str]:
     """Registered policy names with a one-line description each."""
+    _discover()
     return {name: cls.description for name, cls in sorted(_POLICIES.items())}
 
 
@@ -53,15 +79,29 @@ def storages() -> dict[str, str]:
     return dict(STORAGES)
 
 
+def option_info(policy: str) -> list[OptionInfo]:
+    """Options of ``policy`` (a name like ``h2o`` or ``h2o:int4``): name, type, default, help
+    and, for a string option, its valid values."""
+    return describe(_options_cls(_lookup(parse_name(policy)[0])))
+
+
 def policy_options(policy: str) -> dict[str, object]:
     """Options of ``policy`` (a name like ``h2o`` or ``h2o:int4``) with their defaults."""
-    options_cls = getattr(_lookup(parse_name(policy)[0]), "Options", NoOptions)
-    return {f.name: f.default for f in dataclasses.fields(options_cls)}
+    return {info.name: info.default for info in option_info(policy)}
+
+
+def budget_options(policy: str, cache_length: int) -> dict[str, object]:
+    """Options as ``policy``'s paper sets them for a budget of ``cache_length`` slots (h2o: half
+    the budget recent; snapkv: a window of up to 32; sink: up to 4 sinks). Evaluation and
+    benchmarks use these so that every policy is compared at its intended settings."""
+    return dict(_lookup(parse_name(policy)[0]).options_for_budget(cache_length))
 
 
 def parse_name(name: str) -> tuple[str, str]:
     """``"h2o:int4"`` -> ("h2o", "int4"); ``"h2o"`` -> ("h2o", "full"). Raises ValueError on an
     unknown storage (an unknown policy is reported by ``_lookup``)."""
+    if not isinstance(name, str):
+        raise ValueError(f"a policy name is a string such as 'h2o' or 'h2o:int4', got {name!r}")
     policy, sep, storage = name.partition(":")
     if not sep:
         return policy, "full"
@@ -73,53 +113,27 @@ def parse_name(name: str) -> tuple[str, str]:
     return policy, storage
 
 
-def _lookup(policy: str) -> type[LayerCache]:
-    if policy not in _POLICIES:
-        raise ValueError(f"unknown policy {policy!r}; available: {', '.join(sorted(_POLICIES))}")
-    return _POLICIES[policy]
+def _options_cls(cls: type[LayerCache]) -> type:
+    return cls.Options
 
 
-def _options(cls: type[LayerCache], options: dict[str, object]):
-    options_cls = getattr(cls, "Options", NoOptions)
-    valid = [f.name for f in dataclasses.fields(options_cls)]
-    unknown = sorted(set(options) - set(valid))
-    if unknown:
+def resolve_budget(cache_length: int | float, prompt_length: int | None) -> int:
+    """A token count from ``cache_length``: an int >= 1 as it is, a float in (0, 1] as that
+    fraction of ``prompt_length`` (at least one token)."""
+    if isinstance(cache_length, bool) or not isinstance(cache_length, (int, float)):
+        raise ValueError(f"cache_length must be a token count or a fraction in (0, 1], got {cache_length!r}")
+    if isinstance(cache_length, int):
+        if cache_length <= 0:
+            raise ValueError(f"cache_length must be a positive token count, got {cache_length}")
+        return cache_length
+    if not 0 < cache_length <= 1:
         raise ValueError(
-            f"policy {cls.name!r} has no option {', '.join(map(repr, unknown))}; "
-            f"valid options: {', '.join(valid) or 'none'}"
+            f"a fractional cache_length must lie in (0, 1] (a share of the prompt), got {cache_length}; "
+            "pass an int for a token count"
         )
-    for f in dataclasses.fields(options_cls):
-        if f.name in options:
-            _check_type(cls.name, f.name, options[f.name], type(f.default))
-    return options_cls(**options)
-
-
-def _check_type(policy: str, name: str, value: object, expected: type) -> None:
-    # bool is an int to Python, but `sinks=True` is a mistake, and `recent=3.5` should not round.
-    ok = isinstance(value, expected) and (expected is bool or not isinstance(value, bool))
-    if not ok:
-        raise ValueError(
-            f"option {name!r} of policy {policy!r} must be {expected.__name__}, got {value!r}"
-        )
-
-
-def layer_budgets(cache_length: int, num_layers: int, allocation: str | Sequence[int]) -> list[int]:
-    """Tokens per layer: the same everywhere, a PyramidKV pyramid with mean ``cache_length``
-    (more in lower layers, where attention is broad), or an explicit list."""
-    if not isinstance(allocation, str):
-        budgets = [int(b) for b in allocation]
-        if len(budgets) != num_layers or min(budgets) <= 0:
-            raise ValueError(f"layer budgets must be {num_layers} positive integers, got {budgets}")
-        return budgets
-    if allocation == "uniform":
-        return [cache_length] * num_layers
-    if allocation == "pyramid":
-        if num_layers == 1:
-            return [cache_length]
-        top = max(1, cache_length // PYRAMID_BETA)
-        bottom = 2 * cache_length - top
-        return [round(bottom - (bottom - top) * i / (num_layers - 1)) for i in range(num_layers)]
-    raise ValueError(f"unknown layer allocation {allocation!r}; use one of {', '.join(ALLOCATIONS)} or a list")
+    if prompt_length is None:
+        raise ValueError(f"a fractional cache_length ({cache_length}) needs prompt_length, the tokens it is a share of")
+    return max(1, round(cache_length * prompt_length))
 
 
 def make_cache(
@@ -136,64 +150,109 @@ def make_cache(
 ) -> KVCache:
     """A cache for ``model`` holding up to ``cache_length`` tokens per row for ``batch_size`` rows.
 
-    ``cache_length`` is a token count, or a fraction in (0, 1) of ``prompt_length``.
-    ``allocation`` spreads the budget over layers ("uniform", "pyramid", or one count per layer).
-    ``head_budgets[layer][head]`` instead gives every K/V head its own capacity (see
-    ``adaptive_head_budgets``); each head is then allocated at its own size.
-    ``options`` are the policy's own (see ``policy_options``). ``policy`` may name a storage too,
-    ``"h2o:int4"`` (see ``storages``; default full precision). ``reserve`` (scoring policies:
-    h2o, tova, snapkv) makes eviction batched: a layer that overflows keeps ``cache_length -
-    reserve`` tokens, and the next ``reserve`` tokens are appended without evicting. With
-    ``cache_length = kept + reserve`` a prompt is compressed to ``kept`` tokens once and then
-    grows by up to ``reserve`` tokens, as kvpress does. Buffers are allocated here, once, in
-    the model's dtype and on its device.
+    ``cache_length`` is a token count (int), or a fraction in (0, 1] of ``prompt_length``
+    (float; 1.0 is the whole prompt). ``allocation`` spreads the budget over layers ("uniform",
+    "pyramid", or one count per layer). ``head_budgets[layer][head]`` instead gives every K/V
+    head its own capacity (see ``adaptive_head_budgets``); each head is then allocated at its own
+    size. ``options`` are the policy's own (see ``policy_options``); an option left out takes its
+    default, or, if the default does not fit a layer's budget, the value the policy's paper uses
+    at that budget (``budget_options``). ``policy`` may name a storage too, ``"h2o:int4"`` (see
+    ``storages``; default full precision). ``reserve`` (scoring policies: h2o, tova, snapkv, ...)
+    makes eviction batched: a layer that overflows keeps ``cache_length - reserve`` tokens, and
+    the next ``reserve`` tokens are appended without evicting. With ``cache_length = kept +
+    reserve`` a prompt is compressed to ``kept`` tokens once and then grows by up to ``reserve``
+    tokens, as kvpress does. Buffers are allocated here, once, in the model's dtype and on its
+    device.
     """
     policy_name, storage = parse_name(policy)
     cls = _lookup(policy_name)
-    opts = _options(cls, options)
-    if isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0:
-        raise ValueError(f"reserve must be a non-negative int, got {reserve!r}")
-    if isinstance(cache_length, float):
-        if not 0 < cache_length < 1 or prompt_length is None:
-            raise ValueError(
-                "a fractional cache_length must lie in (0, 1) and needs prompt_length "
-                f"(got cache_length={cache_length}, prompt_length={prompt_length})"
-            )
-        cache_length = max(1, round(cache_length * prompt_length))
+    options_cls = _options_cls(cls)
+    build(policy_name, options_cls, options)  # names, types and choices, before anything else
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    requested = cache_length
+    tokens = resolve_budget(cache_length, prompt_length)
     cfg = model.config
-    weight = model.embed_tokens.weight
-    budgets = layer_budgets(cache_length, cfg.num_layers, allocation)
+    if not cls.evicts and (head_budgets is not None or allocation != "uniform"):
+        raise ValueError(
+            f"the {policy_name} policy keeps every token, so its cache_length is a capacity, not a budget "
+            "to spread: allocation and head_budgets apply to evicting policies"
+        )
     if head_budgets is not None:
         head_budgets = [[int(b) for b in layer] for layer in head_budgets]
         if len(head_budgets) != cfg.num_layers:
             raise ValueError(f"head_budgets needs one list per layer ({cfg.num_layers}), got {len(head_budgets)}")
         budgets = [max(1, round(sum(layer) / cfg.num_kv_heads)) for layer in head_budgets]
-    if reserve:
-        # Checked before any layer is made, so that no policy's own check reports it first.
-        sizes = budgets if head_budgets is None else [b for layer in head_budgets for b in layer]
-        smallest = min(sizes, default=0)
-        if reserve >= smallest:
-            raise ValueError(
-                f"reserve must lie in [0, cache_length) for every layer and head; got reserve={reserve} "
-                f"with a smallest budget of {smallest}"
-            )
+        sizes = [b for layer in head_budgets for b in layer]
+    else:
+        budgets = layer_budgets(tokens, cfg.num_layers, allocation)
+        sizes = budgets
+    _check_reserve(cls, reserve, min(sizes, default=0))
+
+    def where(i: int, size: int) -> str:
+        """How a layer's (or head's) size came from what the user asked, for error messages."""
+        parts = []
+        if isinstance(requested, float):
+            parts.append(f"cache_length={requested} of a {prompt_length}-token prompt is {tokens} tokens")
+        if head_budgets is not None:
+            parts.append(f"layer {i} has head budgets {head_budgets[i]}")
+        elif allocation != "uniform":
+            parts.append(f"allocation={allocation!r} gives layer {i} {size} of cache_length={tokens}")
+        return f" ({'; '.join(parts)})" if parts else ""
+
+    weight = model.embed_tokens.weight
     layers: list[LayerCache] = []
     for i, budget in enumerate(budgets):
         spec = CacheSpec(
-            batch_size=batch_size,
-            num_kv_heads=cfg.num_kv_heads,
-            head_dim=cfg.head_dim,
-            cache_length=budget,
-            dtype=weight.dtype,
-            device=weight.device,
-            window=cfg.sliding_window,
-            inv_freq=model.inv_freq,
-            storage=storage,
-            reserve=reserve,
+            batch_size=batch_size, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, cache_length=budget,
+            dtype=weight.dtype, device=weight.device, window=cfg.sliding_window, inv_freq=model.inv_freq,
+            storage=storage, reserve=reserve,
         )
-        if head_budgets is None:
-            layers.append(cls(spec, opts))
-        else:
-            layers.append(HeadwiseCache(spec, cls, opts, head_budgets[i]))
-    nominal = dataclasses.replace(layers[0].spec, cache_length=cache_length)
+        heads = None if head_budgets is None else head_budgets[i]
+        try:
+            layers.append(_layer(cls, spec, options, heads))
+        except ValueError as e:
+            raise ValueError(f"{e}{where(i, budget)}") from None
+    nominal = dataclasses.replace(layers[0].spec, cache_length=tokens)
     return KVCache(layers, nominal, policy)
+
+
+def _check_reserve(cls: type[LayerCache], reserve: object, smallest: int) -> None:
+    """The one place ``reserve`` is validated: type, policy, and against the smallest budget."""
+    if isinstance(reserve, bool) or not isinstance(reserve, int) or reserve < 0:
+        raise ValueError(f"reserve must be a non-negative int, got {reserve!r}")
+    if not reserve:
+        return
+    if not cls.supports_reserve:
+        raise ValueError(
+            f"reserve does not apply to the {cls.name} policy, which "
+            + ("never evicts" if not cls.evicts else "keeps the newest tokens in a ring that is always full")
+            + f" (reserve applies to scoring policies: {', '.join(n for n, c in sorted(_POLICIES.items()) if c.supports_reserve)})"
+        )
+    if reserve >= smallest:
+        raise ValueError(
+            f"reserve must lie in [0, cache_length) for every layer and head; got reserve={reserve} "
+            f"with a smallest budget of {smallest}"
+        )
+
+
+def _layer(cls: type[LayerCache], spec: CacheSpec, given: dict[str, object], heads: list[int] | None) -> LayerCache:
+    """One layer cache. Options the user left out take their defaults unless those do not fit
+    this layer's budget; then they take the policy's values for that budget."""
+    options_cls = _options_cls(cls)
+
+    def make(options) -> LayerCache:
+        return cls(spec, options) if heads is None else HeadwiseCache(spec, cls, options, heads)
+
+    try:
+        return make(build(cls.name, options_cls, given))
+    except ValueError:
+        budget = min(heads or [spec.cache_length])
+        scaled = {k: v for k, v in cls.options_for_budget(budget).items() if k not in given}
+        if not scaled:
+            raise
+    try:
+        return make(build(cls.name, options_cls, {**scaled, **given}))
+    except ValueError:
+        # Report the error of the user's own settings, not of the fallback.
+        return make(build(cls.name, options_cls, given))

@@ -13,19 +13,15 @@ import torch
 
 from .. import attention
 from .base import Step
+from .candidates import Candidates
 from .evicting import PROTECTED, EvictingCache
 
 
 class RingCache(EvictingCache):
     """An evicting cache whose slots are a function of positions (see module docstring)."""
 
-    def __init__(self, spec, options) -> None:
-        if spec.reserve:
-            raise ValueError(
-                f"reserve does not apply to the {self.name} policy: its ring keeps the newest tokens "
-                f"and is always full (reserve applies to scoring policies such as h2o, tova, snapkv)"
-            )
-        super().__init__(spec, options)
+    # The ring keeps the newest tokens and is always full: batched eviction has nothing to batch.
+    supports_reserve = False
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
         # A ring appends at the slot its position names: no held-slot bookkeeping, no search.
@@ -38,18 +34,18 @@ class RingCache(EvictingCache):
         S, C = self.sinks(), self.spec.cache_length
         return torch.where(positions < S, positions, S + (positions - S) % (C - S))
 
-    def priority(self, stat, pos: torch.Tensor, step: Step) -> torch.Tensor:
+    def priority(self, c: Candidates) -> torch.Tensor:
         """The ranking the slots realise (sinks, then newest first); the ring's own paths place
         tokens by ``slot`` and never rank them."""
-        return pos.float() + PROTECTED * (pos < self.sinks())
+        return c.positions.float() + PROTECTED * (c.positions < self.sinks())
 
     def _survives(self, positions: torch.Tensor, newest: torch.Tensor) -> torch.Tensor:
         """Which of ``positions`` (B, T) are still kept once each row's newest is ``newest`` (B, 1)."""
         return (positions > newest - (self.spec.cache_length - self.sinks())) | (positions < self.sinks())
 
-    def _keep(self, cand_k, cand_v, cand_pos, stat, step: Step, stored: int) -> None:
-        C = self.spec.cache_length
-        new_k, new_v = cand_k[:, :, stored:], cand_v[:, :, stored:]
+    def _keep(self, c: Candidates, stored: int) -> None:
+        C, step = self.spec.cache_length, c.step
+        new_k, new_v = c.keys[:, :, stored:], c.values[:, :, stored:]
         keep = step.valid & self._survives(step.positions, step.newest[:, None])
         # new_k, new_v are the chunk as attended (read back from its codes by a quantized storage,
         # whose encoding of a read-back value gives the same codes).

@@ -115,8 +115,13 @@ def test_fractional_cache_length(llama):
     assert all(layer.spec.cache_length == 20 for layer in cache.layers)
     with pytest.raises(ValueError, match="prompt_length"):
         kvcache.make_cache(llama, "h2o", cache_length=0.5, recent=4)
-    for bad in (1.0, 1.5, 0.0, -0.25):
+    # 1.0 is the whole prompt (a float is always a fraction; an int a token count).
+    assert kvcache.make_cache(llama, "window", cache_length=1.0, prompt_length=40).cache_length == 40
+    for bad in (1.5, 0.0, -0.25):
         with pytest.raises(ValueError, match="fractional"):
+            kvcache.make_cache(llama, "window", cache_length=bad, prompt_length=40)
+    for bad in (0, -3, "8", True):
+        with pytest.raises(ValueError, match="cache_length"):
             kvcache.make_cache(llama, "window", cache_length=bad, prompt_length=40)
     # through generate: a fraction of the longest prompt
     out = kvcache.generate(llama, [ids_for(30, seed=1)[0].tolist(), [4, 5]], max_new_tokens=3,

@@ -15,9 +15,9 @@ class DenseCache(LayerCache):
     name = "dense"
     description = "keep every token (exact; fails when cache_length is exceeded)"
 
+    evicts = False
+
     def __init__(self, spec: CacheSpec, options: object = None) -> None:
-        if spec.reserve:
-            raise ValueError("reserve does not apply to the dense policy, which never evicts")
         super().__init__(spec, options)
         self.storage = make_storage(spec)
 

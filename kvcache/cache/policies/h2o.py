@@ -1,14 +1,9 @@
 """h2o (Heavy-Hitter Oracle): the ``recent`` newest tokens plus those with the most attention.
 
 Each row and K/V head keeps its own tokens. A token's score is the attention it has received,
-summed over the queries that saw it and over the query heads of its group, weighted by value norms if asked, accumulated from the
-attention the cache computes anyway (chunked prefill included). Options:
-    recent       newest tokens always kept.
-    sinks        first tokens always kept (H2O with attention sinks).
-    normalize    divide the score by the number of queries that could see the token, so old
-                 tokens are not favoured just for having been seen more often.
-    value_norm   weight each score by the norm of the token's value vector: a token that is
-                 attended but carries a near-zero value contributes little to the output.
+summed over the queries that saw it and over the query heads of its group (weighted by value
+norms if asked), accumulated from the attention the cache computes anyway (chunked prefill
+included).
 """
 
 from __future__ import annotations
@@ -17,16 +12,19 @@ from dataclasses import dataclass
 
 import torch
 
-from ..base import CacheSpec, Step
-from ..evicting import PROTECTED, EvictingCache, newest
+from ..base import CacheSpec
+from ..candidates import Candidates
+from ..evicting import PROTECTED, EvictingCache, require_room
+from ..options import option
 
 
 @dataclass(frozen=True)
 class H2OOptions:
-    recent: int = 32
-    sinks: int = 0
-    normalize: bool = False
-    value_norm: bool = False
+    recent: int = option(32, "newest tokens always kept")
+    sinks: int = option(0, "first tokens always kept (H2O with attention sinks)")
+    normalize: bool = option(False, "divide a token's score by the number of queries that could see it, "
+                                    "so old tokens are not favoured for having been seen more often")
+    value_norm: bool = option(False, "weight each score by the norm of the token's value vector")
 
     def __post_init__(self) -> None:
         if self.recent < 0 or self.sinks < 0:
@@ -42,33 +40,31 @@ class H2OCache(EvictingCache):
     needs_attention = True
     observe_every_step = True
 
+    @classmethod
+    def options_for_budget(cls, cache_length: int) -> dict[str, object]:
+        # The paper splits the budget evenly between recent tokens and heavy hitters.
+        return {"recent": cache_length // 2}
+
     def __init__(self, spec: CacheSpec, options: H2OOptions) -> None:
-        room = spec.cache_length - spec.reserve
-        if options.recent + options.sinks >= room:
-            raise ValueError(
-                f"recent + sinks ({options.recent + options.sinks}) must be smaller than cache_length "
-                f"({spec.cache_length})" + (f" - reserve ({spec.reserve})" if spec.reserve else "")
-                + " to leave room for heavy hitters"
-            )
+        require_room(spec, "recent + sinks", options.recent + options.sinks, " to leave room for heavy hitters")
         # How many queries saw each token is needed (and kept) only to normalize.
         self.stats = ("score", "seen") if options.normalize else ("score",)
         super().__init__(spec, options)
 
-    def observe(self, stat, mass, seen, pos, values, step: Step) -> None:
+    def observe(self, c: Candidates) -> None:
+        mass = c.mass
         if self.options.value_norm:
-            mass = mass * values.float().norm(dim=-1)
-        stat["score"] += mass
+            mass = mass * c.values.float().norm(dim=-1)
+        c.stats["score"] += mass
         if self.options.normalize:
-            stat["seen"] += seen
+            c.stats["seen"] += c.seen
 
-    def priority(self, stat, pos: torch.Tensor, step: Step) -> torch.Tensor:
-        score = stat["score"]
+    def priority(self, c: Candidates) -> torch.Tensor:
+        score = c.stats["score"]
         if self.options.normalize:
-            score = score / stat["seen"].clamp(min=1.0)
-        # A uniform step's newest position is known on the host: one comparison with a number.
-        newest_pos = step.start0 + step.num_tokens - 1 if step.uniform else newest(step)
-        protected = pos > newest_pos - self.options.recent
+            score = score / c.stats["seen"].clamp(min=1.0)
+        protected = c.positions > c.newest - self.options.recent
         if self.options.sinks:
-            protected |= pos < self.options.sinks
+            protected |= c.positions < self.options.sinks
         # Protected tokens outrank every score (any score + PROTECTED rounds to PROTECTED anyway).
         return score.masked_fill(protected, PROTECTED)

@@ -28,6 +28,8 @@ import torch
 
 from ...rope import apply_rope, rope_angles, rotate_half
 from ..base import CacheSpec, Step
+from ..evicting import require_room
+from ..options import option
 from ..ring import RingCache
 
 MODES = ("absolute", "renumbered")
@@ -35,14 +37,13 @@ MODES = ("absolute", "renumbered")
 
 @dataclass(frozen=True)
 class SinkOptions:
-    sinks: int = 4
-    positions: str = "renumbered"
+    sinks: int = option(4, "first tokens always kept (the attention sinks)")
+    positions: str = option("renumbered", "positions attention uses: the true ones, or renumbered within "
+                                          "the cache as in the paper", MODES)
 
     def __post_init__(self) -> None:
         if self.sinks < 0:
             raise ValueError(f"sinks must be >= 0, got {self.sinks}")
-        if self.positions not in MODES:
-            raise ValueError(f"positions must be one of {', '.join(MODES)}, got {self.positions!r}")
 
 
 class SinkCache(RingCache):
@@ -50,11 +51,13 @@ class SinkCache(RingCache):
     description = "StreamingLLM: first `sinks` tokens + most recent (positions absolute or renumbered)"
     Options = SinkOptions
 
+    @classmethod
+    def options_for_budget(cls, cache_length: int) -> dict[str, object]:
+        # StreamingLLM keeps 4 sinks; a small budget keeps a quarter of itself.
+        return {"sinks": max(1, min(4, cache_length // 4))}
+
     def __init__(self, spec: CacheSpec, options: SinkOptions) -> None:
-        if options.sinks >= spec.cache_length:
-            raise ValueError(
-                f"sinks ({options.sinks}) must be smaller than cache_length ({spec.cache_length})"
-            )
+        require_room(spec, "sinks", options.sinks)
         if options.positions == "renumbered" and spec.inv_freq is None:
             raise ValueError("renumbered sink positions need the model's rotary frequencies (spec.inv_freq)")
         super().__init__(spec, options)

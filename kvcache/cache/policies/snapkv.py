@@ -16,7 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from ..base import Step
-from ..evicting import PROTECTED, EvictingCache, newest
+from ..candidates import Candidates
+from ..evicting import PROTECTED, EvictingCache, require_room
+from ..options import option
 
 FALLBACKS = ("window", "tova")
 POOLINGS = ("avg", "max")
@@ -24,20 +26,17 @@ POOLINGS = ("avg", "max")
 
 @dataclass(frozen=True)
 class SnapKVOptions:
-    window: int = 32
-    kernel: int = 7
-    pooling: str = "avg"
-    fallback: str = "window"
+    window: int = option(32, "observation window: the prompt's last tokens, which vote")
+    kernel: int = option(7, "width of the pooling over neighbouring positions (odd)")
+    pooling: str = option("avg", "how votes are pooled over neighbours", POOLINGS)
+    fallback: str = option("window", "how a full cache evicts while decoding: oldest first, or least "
+                                     "attended by the newest query", FALLBACKS)
 
     def __post_init__(self) -> None:
         if self.window <= 0:
             raise ValueError(f"window must be positive, got {self.window}")
         if self.kernel <= 0 or self.kernel % 2 == 0:
             raise ValueError(f"kernel must be a positive odd number, got {self.kernel}")
-        if self.pooling not in POOLINGS:
-            raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {self.pooling!r}")
-        if self.fallback not in FALLBACKS:
-            raise ValueError(f"fallback must be one of {', '.join(FALLBACKS)}, got {self.fallback!r}")
 
 
 class SnapKVCache(EvictingCache):
@@ -48,12 +47,13 @@ class SnapKVCache(EvictingCache):
     stats = ("score",)
     needs_attention = True
 
+    @classmethod
+    def options_for_budget(cls, cache_length: int) -> dict[str, object]:
+        # The paper observes 32 tokens; a small budget observes a quarter of itself.
+        return {"window": max(1, min(32, cache_length // 4))}
+
     def __init__(self, spec, options: SnapKVOptions) -> None:
-        if options.window >= spec.cache_length - spec.reserve:
-            raise ValueError(
-                f"window ({options.window}) must be smaller than cache_length ({spec.cache_length})"
-                + (f" - reserve ({spec.reserve})" if spec.reserve else "")
-            )
+        require_room(spec, "window", options.window)
         super().__init__(spec, options)
 
     @staticmethod
@@ -67,26 +67,28 @@ class SnapKVCache(EvictingCache):
         first = step.last_index[:, None] + 1 - self.options.window
         return (step.valid & (t >= first)).float()
 
-    def observe(self, stat, mass, seen, pos, values, step: Step) -> None:
+    def observe(self, c: Candidates) -> None:
         # A one-token row's window is that token alone, so its mass is the tova fallback's score.
-        if step.num_tokens == 1:
-            stat["score"].copy_(mass)
+        if c.step.num_tokens == 1:
+            c.stats["score"].copy_(c.mass)
         else:
-            stat["score"].copy_(torch.where(self._decoding(step), mass, self._pool(mass, pos)))
+            pooled = pool_votes(c.mass, c.positions, self.options.kernel, self.options.pooling)
+            c.stats["score"].copy_(torch.where(self._decoding(c.step), c.mass, pooled))
 
-    def _pool(self, votes: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        # Neighbours are neighbours in position, not in slot order: pool in position order.
-        order = pos.argsort(dim=-1)
-        B, H, N = votes.shape
-        x = votes.gather(2, order).reshape(B * H, 1, N)
-        k = self.options.kernel
-        pool = F.avg_pool1d if self.options.pooling == "avg" else F.max_pool1d
-        pooled = pool(x, k, stride=1, padding=k // 2).reshape(B, H, N)
-        return torch.empty_like(pooled).scatter_(2, order, pooled)
-
-    def priority(self, stat, pos: torch.Tensor, step: Step) -> torch.Tensor:
-        fallback = pos.float() if self.options.fallback == "window" else stat["score"]
-        if step.num_tokens == 1:
+    def priority(self, c: Candidates) -> torch.Tensor:
+        fallback = c.positions.float() if self.options.fallback == "window" else c.stats["score"]
+        if c.step.num_tokens == 1:
             return fallback
-        voted = stat["score"] + PROTECTED * (pos > newest(step) - self.options.window)
-        return torch.where(self._decoding(step), fallback, voted)
+        voted = c.stats["score"] + PROTECTED * (c.positions > c.newest - self.options.window)
+        return torch.where(self._decoding(c.step), fallback, voted)
+
+
+def pool_votes(votes: torch.Tensor, pos: torch.Tensor, kernel: int, pooling: str) -> torch.Tensor:
+    """Votes (B, H, N) pooled over ``kernel`` neighbouring positions (``pos`` (B, H, N)), so that
+    a phrase survives as a whole. Neighbours are neighbours in position, not in slot order."""
+    order = pos.argsort(dim=-1)
+    B, H, N = votes.shape
+    x = votes.gather(2, order).reshape(B * H, 1, N)
+    pool = F.avg_pool1d if pooling == "avg" else F.max_pool1d
+    pooled = pool(x, kernel, stride=1, padding=kernel // 2).reshape(B, H, N)
+    return torch.empty_like(pooled).scatter_(2, order, pooled)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..base import Step
+from ..candidates import Candidates
 from ..evicting import EvictingCache
 
 
@@ -27,10 +28,10 @@ class TOVACache(EvictingCache):
     def query_weight(self, step: Step) -> torch.Tensor:
         return newest_query(step)
 
-    def observe(self, stat, mass, seen, pos, values, step: Step) -> None:
+    def observe(self, c: Candidates) -> None:
         # mass sums the G query heads of each K/V head; the mean over K/V heads is then G times
         # the mean over query heads, the same ranking.
-        stat["score"].copy_(mass.mean(1, keepdim=True))
+        c.stats["score"].copy_(c.mass.mean(1, keepdim=True))
 
-    def priority(self, stat, pos: torch.Tensor, step: Step) -> torch.Tensor:
-        return stat["score"]
+    def priority(self, c: Candidates) -> torch.Tensor:
+        return c.stats["score"]
