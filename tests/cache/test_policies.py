@@ -1,6 +1,6 @@
 """Properties every eviction policy must have, whatever the chunking, batch and budget.
 
-For window, sink, h2o, tova and snapkv, over random ragged schedules (multi-token chunks with
+For every registered evicting policy (a new one joins by being registered), over random ragged schedules (multi-token chunks with
 right padding, rows sitting out, one-token decode steps) and budgets:
   * a budget that covers the whole sequence gives the plain forward's logits;
   * after every call each row and head holds min(C, length) distinct past positions, the scratch
@@ -37,17 +37,29 @@ from policy_util import (
 
 ATOL = EXACT_ATOL[torch.float32]
 VOCAB = 128  # the conftest llama
+# Every registered policy that evicts; sink runs in each position mode.
+EVICTING = [name for name in kvcache.policies() if name != "dense"]
 # ":reserve" cases evict in batches: an overflowing row keeps C - reserve tokens.
-POLICY_CASES = ["window", "sink:absolute", "sink:renumbered", "h2o", "tova", "snapkv",
-                "h2o:reserve", "tova:reserve", "snapkv:reserve"]
+POLICY_CASES = (
+    [case for name in EVICTING for case in (["sink:absolute", "sink:renumbered"] if name == "sink" else [name])]
+    + [f"{name}:reserve" for name in EVICTING if name not in ("window", "sink")]
+)
 
 
 def _name(case: str) -> str:
     return case.split(":")[0]
 
 
+def simple_options(name: str, C: int) -> dict:
+    """Options that fit a budget of C slots: the policy's settings for that budget."""
+    return kvcache.cache.budget_options(name, C)
+
+
 def draw_options(draw, case: str, C: int) -> dict:
-    """Valid options of ``case`` for budget C (C >= 2), with ``reserve`` for the ":reserve" cases."""
+    """Valid options of ``case`` for budget C (C >= 2), with ``reserve`` for the ":reserve" cases.
+
+    h2o, snapkv and sink have their integer options drawn too; any other policy gets its boolean
+    and string options drawn and its integer ones from ``make_cache`` (defaults that fit C)."""
     if case.startswith("sink"):
         return dict(sinks=draw(st.integers(0, min(4, C - 1))), positions=case.split(":")[1])
     # SnapKV's window needs one kept slot besides itself.
@@ -63,7 +75,16 @@ def draw_options(draw, case: str, C: int) -> dict:
         return dict(window=draw(st.integers(1, room - 1)), kernel=draw(st.sampled_from([1, 3, 5])),
                     pooling=draw(st.sampled_from(["avg", "max"])),
                     fallback=draw(st.sampled_from(["window", "tova"])), **extra)
-    return extra
+    drawn = {}
+    for info in kvcache.option_info(_name(case)):
+        if info.choices is not None:
+            drawn[info.name] = draw(st.sampled_from(info.choices))
+        elif info.type is bool:
+            drawn[info.name] = draw(st.booleans())
+        elif info.name in ("recent", "sinks"):
+            # Tokens always kept: leave at least one slot of what an overflowing row keeps to choose.
+            drawn[info.name] = draw(st.integers(0, max(0, (room - 1) // 2)))
+    return {**drawn, **extra}
 
 
 @st.composite
@@ -117,13 +138,17 @@ class PolicyChecker:
                         assert held == list(range(max(0, L - C), L))
                     elif self.case.startswith("sink"):
                         assert held == expected_sink_positions(L, C, opts["sinks"])
-                    elif self.case.startswith("h2o"):
-                        protected = set(range(max(0, L - opts["recent"]), L)) | set(range(min(L, opts["sinks"])))
+                    elif self.case.startswith("snapkv"):
+                        if T > 1:
+                            # A multi-token chunk keeps its observation window (its last real tokens).
+                            window = set(range(L - min(opts["window"], n[b]), L))
+                            assert window <= set(held), f"row {b}: {held} lacks {sorted(window)}"
+                    else:
+                        # Tokens a scoring policy promises to keep (h2o, knorm, ...: recent and sinks).
+                        settings = cache.layers[0].options
+                        recent, sinks = getattr(settings, "recent", 0), getattr(settings, "sinks", 0)
+                        protected = set(range(max(0, L - recent), L)) | set(range(min(L, sinks)))
                         assert protected <= set(held), f"row {b}: {held} lacks {sorted(protected)}"
-                    elif self.case.startswith("snapkv") and T > 1:
-                        # A multi-token chunk keeps its observation window (its last real tokens).
-                        window = set(range(L - min(opts["window"], n[b]), L))
-                        assert window <= set(held), f"row {b}: {held} lacks {sorted(window)}"
 
         # A policy that listens to a few queries (TOVA, SnapKV) scores them in a call of their own,
         # after the call that attends every query of the chunk; scoring calls must be causal too.
@@ -199,7 +224,7 @@ def test_queries_never_see_later_tokens_of_their_chunk(llama, case):
     if case.startswith("sink"):
         options = dict(sinks=2, positions=case.partition(":")[2])
     else:
-        options = {"window": {}, "tova": {}, "h2o": dict(recent=2, sinks=1), "snapkv": dict(window=3)}[_name(case)]
+        options = dict(recent=2, sinks=1) if _name(case) == "h2o" else simple_options(_name(case), 5)
         if case.endswith(":reserve"):
             options = dict(options, reserve=3)
     ids = ids_for(30, batch=2, seed=5, vocab=VOCAB)
@@ -287,7 +312,7 @@ RAGGED_CASES = [
     ("tova", {}),
     ("snapkv", dict(window=3, kernel=3)),
     ("snapkv", dict(window=2, kernel=5, fallback="tova")),
-]
+] + [(name, simple_options(name, 8)) for name in EVICTING if name not in ("window", "sink", "h2o", "tova", "snapkv")]
 # Right-padded chunks, rows sitting out (0), then decode steps (the scratch-slot path). No row
 # gets a single token in a wider chunk (see SCHEDULE_SINGLES).
 SCHEDULE = [[6, 4, 5], [5, 0, 7], [8, 5, 4], [4, 0, 0], [1, 1, 1], [1, 1, 1], [1, 1, 1]]
@@ -325,7 +350,8 @@ def test_ragged_batch_with_single_token_rows_evicts_as_alone(llama, policy, opti
 
 def test_generate_ragged_prompts_equal_each_prompt_alone(llama):
     prompts = [ids_for(L, seed=50 + L, vocab=VOCAB)[0].tolist() for L in (19, 8, 13)]
-    for policy, options in [("sink", dict(sinks=2)), ("h2o", dict(recent=3)), ("tova", {}), ("window", {})]:
+    for policy, options in [("sink", dict(sinks=2)), ("h2o", dict(recent=3))] + [
+            (name, {}) for name in EVICTING if name not in ("sink", "h2o", "snapkv")]:
         together = kvcache.generate(llama, prompts, max_new_tokens=12, policy=policy, policy_options=options,
                                     cache_length=8, prefill_chunk=4, stop_tokens=())
         alone = [kvcache.generate(llama, p, max_new_tokens=12, policy=policy, policy_options=options,
@@ -357,8 +383,9 @@ def test_listening_to_few_queries_scores_them_alone(llama, policy, options):
     assert max_diff(mass, want_mass) <= 1e-6 and torch.equal(seen, want_seen)
 
 
-@pytest.mark.parametrize("name,options", [("window", {}), ("sink", dict(sinks=2)), ("h2o", dict(recent=2)),
-                                          ("tova", {}), ("snapkv", dict(window=2)), ("h2o:int8", dict(recent=2))])
+@pytest.mark.parametrize("name,options", [("sink", dict(sinks=2)), ("h2o", dict(recent=2)), ("snapkv", dict(window=2)),
+                                          ("h2o:int8", dict(recent=2))] + [
+    (name, {}) for name in EVICTING if name not in ("sink", "h2o", "snapkv")])
 def test_policies_run_with_autograd_enabled(llama, name, options):
     """Outside no_grad / inference_mode (fine-tuning through a bounded cache), every policy
     gives the logits it gives in inference mode: a prompt longer than the cache, decode steps,

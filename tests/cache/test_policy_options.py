@@ -31,9 +31,9 @@ def four_layers(tmp_path_factory):
 # --- the registry -------------------------------------------------------------------------------
 
 
-def test_policies_lists_all_six_with_descriptions():
+def test_policies_lists_the_built_in_ones_with_descriptions():
     listed = kvcache.policies()
-    assert set(listed) == POLICY_NAMES
+    assert POLICY_NAMES | {"knorm", "expected_attention"} <= set(listed)
     for name, description in listed.items():
         assert isinstance(description, str) and len(description) > 10, name
 
