@@ -43,7 +43,7 @@ installs into the same one, so both engines run in ONE process):
     /work/kvpress-venv/bin/pip install -e /work/main --no-deps
 
 Usage:
-    /work/kvpress-venv/bin/python benchmarks/vs_kvpress.py --model DIR [--texts evaluation/texts]
+    /work/kvpress-venv/bin/python benchmarks/vs_kvpress.py --model DIR [--texts DIR]
         [--ratios 0.25,0.5,0.75] [--lengths 1024] [--depths 0,0.25,0.5,0.75,1] [--trials 4]
         [--samples 4] [--continuation 64] [--repeats 3] [--presses NAME,...] [--quick]
         [--out FILE.json] [--markdown FILE.md] [--threads 1]
@@ -521,7 +521,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=ROOT / "kvcache" / "reference_model",
                     help="Hugging Face-format checkpoint directory (default: kvcache/reference_model)")
-    ap.add_argument("--texts", type=Path, default=None, help="held-out .txt files (default: evaluation/texts)")
+    ap.add_argument("--texts", type=Path, default=None, help="held-out .txt files (default: the packaged kvcache/data/texts)")
     ap.add_argument("--ratios", type=floats, default=[0.25, 0.5, 0.75], help="kvpress compression_ratio values")
     ap.add_argument("--lengths", type=ints, default=[1024])
     ap.add_argument("--depths", type=floats, default=[0.0, 0.25, 0.5, 0.75, 1.0])
@@ -548,8 +548,6 @@ def main(argv=None) -> None:
     if args.quick:
         args.lengths, args.depths, args.trials = [512], [0.5], 1
         args.samples, args.continuation, args.repeats = 1, 32, 1
-    if args.texts is None:
-        args.texts = Path("evaluation/texts") if Path("evaluation/texts").is_dir() else ROOT / "evaluation" / "texts"
     if not all(0 <= r < 1 for r in args.ratios):
         ap.error("ratios are kvpress compression ratios in [0, 1)")
     if not (args.model / "config.json").exists():

