@@ -18,16 +18,18 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .cache.registry import make_cache
+from .cache.registry import budget_options, make_cache
+from .cache.registry import policies as registered_policies
 from .generate import generate
-from .tasks import TaskMaker
+from .tasks import PASSKEY_QUESTION, TaskMaker
 
 PROTOCOLS = ("query_aware", "query_agnostic")
 
 
 @dataclass
 class Grid:
-    policies: list[str] = field(default_factory=lambda: ["dense", "window", "sink", "h2o", "tova", "snapkv"])
+    # Every registered policy, dense (the reference) first.
+    policies: list[str] = field(default_factory=lambda: sorted(registered_policies(), key=lambda name: name != "dense"))
     budgets: list[float] = field(default_factory=lambda: [0.125, 0.25, 0.5])
     lengths: list[int] = field(default_factory=lambda: [512, 1024, 2048])
     depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
@@ -43,19 +45,6 @@ class Grid:
             raise ValueError(f"depths must lie in [0, 1], got {self.depths}")
         if self.trials <= 0 or self.chunk <= 0 or self.stream_tokens < 2:
             raise ValueError("trials and chunk must be positive and stream_tokens at least 2")
-
-
-def budget_options(policy: str, cache_length: int) -> dict[str, object]:
-    """Options that scale with the budget, as the papers set them: H2O splits its budget evenly
-    between recent tokens and heavy hitters; SnapKV observes up to 32 tokens; StreamingLLM keeps
-    4 sinks. Small budgets get proportionally smaller windows so every option stays valid."""
-    if policy == "h2o":
-        return {"recent": cache_length // 2}
-    if policy == "snapkv":
-        return {"window": max(1, min(32, cache_length // 4))}
-    if policy == "sink":
-        return {"sinks": max(1, min(4, cache_length // 4))}
-    return {}
 
 
 def _cells(grid: Grid) -> list[tuple[str, float]]:
@@ -85,7 +74,7 @@ def passkey(model, tasks: TaskMaker, policy: str, budget: float, length: int, de
     correct = 0
     for _ in range(trials):
         prompt, answer = tasks.passkey(length, depth=depth)
-        question = len(tasks.encode(" What is the pass key? The pass key is"))
+        question = len(tasks.encode(PASSKEY_QUESTION))
         context = len(prompt) - question
         cache_length = len(prompt) + len(answer) if policy == "dense" else max(8, round(budget * context))
         cache = make_cache(model, policy, cache_length=cache_length, **budget_options(policy, cache_length))

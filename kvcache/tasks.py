@@ -21,6 +21,8 @@ import torch
 NAMES = ("Harriet", "Edmund", "Marianne", "Darcy", "Fanny", "Willoughby", "Emma", "Elinor",
          "Henry", "Catherine", "Anne", "Frederick", "Lydia", "Jane", "Thomas", "Mary")
 ANSWER_WEIGHT = 10.0
+# The question that ends every passkey prompt; the answer (" 48213.") follows it.
+PASSKEY_QUESTION = " What is the pass key? The pass key is"
 
 # The held-out public-domain texts shipped with the package (sources and licences in LICENSES.md
 # there), so that evaluation works from any directory.
@@ -66,7 +68,7 @@ class TaskMaker:
         key = self.rng.randrange(10000, 100000) if key is None else key
         depth = self.rng.random() if depth is None else depth
         needle = self.encode(f" The pass key is {key}. Remember it. {key} is the pass key. ")
-        question = self.encode(" What is the pass key? The pass key is")
+        question = self.encode(PASSKEY_QUESTION)
         answer = self.encode(f" {key}.")
         fill = self.filler(max(0, length - len(needle) - len(question) - len(answer) - len(self.start)))
         at = int(depth * len(fill))
