@@ -11,8 +11,8 @@ counterpart and both are given the same token ids:
     SnapKVPress              snapkv    (window=64, kernel=5, pooling="avg", fallback="tova")
     TOVAPress                tova
     ObservedAttentionPress   h2o       (recent=0, normalize=True)  kvpress needs eager attention
-    KnormPress               -         (kvpress only)
-    ExpectedAttentionPress   -         (kvpress only)
+    KnormPress               knorm     (recent=0, sinks=0)
+    ExpectedAttentionPress   expected_attention (future=512, sinks=4, covariance, value_norm)
 
 Tasks (query-agnostic, kvpress's protocol: the context is compressed first, then the rest comes):
     passkey     TaskMaker(stream, tokenizer, seed + length).passkey(length, depth=d) prompts; the
@@ -71,10 +71,10 @@ import torch
 import torch.nn.functional as F
 
 import kvcache
+from kvcache.tasks import PASSKEY_QUESTION as QUESTION
 from kvcache.tasks import TaskMaker, read_texts
 
 ROOT = Path(__file__).resolve().parent.parent
-QUESTION = " What is the pass key? The pass key is"
 N_SINK = 4                   # StreamingLLMPress.n_sink default
 SNAP_WINDOW, SNAP_KERNEL = 64, 5  # SnapKVPress.window_size, kernel_size defaults
 
@@ -95,8 +95,10 @@ PAIRS = [
          {"window": SNAP_WINDOW, "kernel": SNAP_KERNEL, "pooling": "avg", "fallback": "tova"}),
     Pair("TOVAPress", {}, "tova", {}),
     Pair("ObservedAttentionPress", {}, "h2o", {"recent": 0, "normalize": True}, eager=True),
-    Pair("KnormPress"),
-    Pair("ExpectedAttentionPress"),
+    Pair("KnormPress", {}, "knorm", {"recent": 0, "sinks": 0}),
+    Pair("ExpectedAttentionPress", {"n_future_positions": 512, "n_sink": N_SINK, "use_covariance": True,
+                                    "use_vnorm": True, "epsilon": 0.0}, "expected_attention",
+         {"future": 512, "sinks": N_SINK, "covariance": True, "value_norm": True, "epsilon": 0.0}),
 ]
 
 

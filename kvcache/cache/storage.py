@@ -10,10 +10,54 @@ the storage named by ``CacheSpec.storage`` (``STORAGES``), and every policy work
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from .base import CacheSpec
 from .quantized import BITS, QuantizedStorage
+
+
+class Storage(Protocol):
+    """What a layer cache asks of its slot buffers (``FullStorage``, ``QuantizedStorage``).
+
+    ``pos`` (B, Hp, C + 1) long holds each slot's absolute position, -1 when empty; slot C is
+    scratch. ``k.shape[2]`` is the slot count, C + 1. Invariants every storage keeps:
+      * ``view`` returns what attention reads: the buffers themselves at full precision (writing
+        into the view writes the cache), a fresh decoded copy for a quantized storage;
+      * ``roundtrip(k, v)`` is what ``view`` would return once k, v are stored, so a chunk is
+        attended as later steps will read it; storing a round-tripped value again gives the same
+        codes, so moving a token never re-quantizes it;
+      * ``settle`` and ``keep`` move tokens without changing their bits.
+    """
+
+    pos: torch.Tensor
+    k: torch.Tensor
+
+    def write_slice(self, start: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """Write k, v (B, Hkv, T, D) at slots [start, start + T) of every row; positions (B, T)."""
+
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """Write token t of row b to slot ``slots[b, t]`` (B, T); padding goes to the scratch slot."""
+
+    def settle(self, dst: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """Move the token staged in the scratch slot to slot ``dst`` (B, Hp, 1); empty the scratch slot."""
+
+    def keep(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, index: torch.Tensor, stored: int = 0) -> None:
+        """Fill slots [0, C) with candidates ``index`` (B, Hp, C) of k, v (B, Hkv, N, D), pos (B, Hp, N);
+        candidates [0, stored) are this storage's own slots [0, stored)."""
+
+    def view(self, span: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The first ``span`` slots as the model's dtype: k, v (B, Hkv, span, D), pos (B, Hp, span)."""
+
+    def roundtrip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v (B, Hkv, T, D) as ``view`` would return them once stored."""
+
+    def reset(self) -> None:
+        """Empty every slot."""
+
+    def nbytes(self) -> int:
+        """Bytes held by the buffers."""
 
 
 class FullStorage:
@@ -92,7 +136,7 @@ STORAGES = {
 }
 
 
-def make_storage(spec: CacheSpec, per_head: bool = False) -> FullStorage | QuantizedStorage:
+def make_storage(spec: CacheSpec, per_head: bool = False) -> Storage:
     """The slot buffers named by ``spec.storage``; ``per_head``: one position per K/V head."""
     if spec.storage not in STORAGES:
         raise ValueError(f"unknown storage {spec.storage!r}; available: {', '.join(STORAGES)}")
