@@ -7,9 +7,9 @@ Each supported family maps onto the same dataclass through a few flags (``qkv_bi
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .errors import CheckpointError
 
@@ -37,17 +37,16 @@ class RopeConfig:
     original_max_position_embeddings: int = 8192
 
     def __post_init__(self) -> None:
-        if self.rope_type not in ROPE_TYPES:
-            raise ValueError(
-                f"unsupported rope_type {self.rope_type!r}; supported: {', '.join(ROPE_TYPES)}"
-            )
-        if self.theta <= 0 or self.factor <= 0:
-            raise ValueError(f"rope theta and factor must be positive, got {self.theta}, {self.factor}")
+        _validate(self, _ROPE_RULES)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape and numerics of a decoder-only transformer."""
+    """Shape and numerics of a decoder-only transformer.
+
+    Every field is checked on construction: a value of the wrong type raises ``FieldTypeError``
+    (a TypeError) and one out of range ``FieldValueError`` (a ValueError), naming the field.
+    """
 
     vocab_size: int
     hidden_size: int
@@ -71,18 +70,11 @@ class ModelConfig:
     eos_token_id: int | list[int] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
+        _validate(self, _MODEL_RULES)
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        if self.sliding_window is not None and self.sliding_window <= 0:
-            raise ValueError(f"sliding_window must be positive or None, got {self.sliding_window}")
 
     @property
     def group_size(self) -> int:
@@ -100,11 +92,7 @@ class ModelConfig:
         try:
             hidden = hf["hidden_size"]
             heads = hf["num_attention_heads"]
-            head_dim = hf.get("head_dim") or hidden // heads
-            if model_type == "qwen2":
-                qkv_bias = True
-            else:
-                qkv_bias = bool(hf.get("attention_bias", False))
+            attention_bias = _flag(hf, "attention_bias")
             return cls(
                 vocab_size=hf["vocab_size"],
                 hidden_size=hidden,
@@ -112,14 +100,14 @@ class ModelConfig:
                 num_layers=hf["num_hidden_layers"],
                 num_heads=heads,
                 num_kv_heads=hf.get("num_key_value_heads") or heads,
-                head_dim=head_dim,
+                head_dim=hf.get("head_dim") or _derived_head_dim(hidden, heads),
                 rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
                 rope=_rope_from_hf(hf),
-                qkv_bias=qkv_bias,
-                o_bias=bool(hf.get("attention_bias", False)) and model_type != "qwen2",
-                mlp_bias=bool(hf.get("mlp_bias", False)),
+                qkv_bias=True if model_type == "qwen2" else attention_bias,
+                o_bias=False if model_type == "qwen2" else attention_bias,
+                mlp_bias=_flag(hf, "mlp_bias"),
                 qk_norm=FAMILIES[model_type]["qk_norm"],
-                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                tie_word_embeddings=_flag(hf, "tie_word_embeddings"),
                 max_position_embeddings=hf.get("max_position_embeddings", 2048),
                 sliding_window=_sliding_window_from_hf(hf),
                 model_type=model_type,
@@ -128,6 +116,10 @@ class ModelConfig:
             )
         except KeyError as e:
             raise CheckpointError(f"config.json is missing the required field {e.args[0]!r}") from None
+        except FieldError as e:
+            key = JSON_KEYS.get(e.field)
+            where = e.field if key is None else f"{key} ({e.owner}.{e.field})"
+            raise CheckpointError(f"config.json is invalid: {where} {e.problem}") from None
         except ValueError as e:
             raise CheckpointError(f"config.json is invalid: {e}") from None
 
@@ -143,6 +135,21 @@ class ModelConfig:
         return cls.from_hf(data)
 
 
+def _flag(hf: dict[str, Any], key: str) -> Any:
+    """A boolean field of config.json, False when absent or null (other values are validated by
+    ModelConfig, so that "false", a string, is rejected rather than read as true)."""
+    value = hf.get(key)
+    return False if value is None else value
+
+
+def _derived_head_dim(hidden: Any, heads: Any) -> Any:
+    """hidden_size / num_attention_heads, for configs without head_dim. When either is not a
+    positive int there is none to derive; ModelConfig then names the field at fault."""
+    if _is_int(hidden) and _is_int(heads) and heads > 0:
+        return hidden // heads
+    return None
+
+
 def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
     # transformers 5 writes "rope_parameters" (theta included); 4.x wrote "rope_theta" + "rope_scaling".
     params = dict(hf.get("rope_parameters") or {})
@@ -150,17 +157,17 @@ def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
     params = {**scaling, **params}
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
-    kwargs: dict[str, Any] = {"theta": float(theta), "rope_type": rope_type}
+    kwargs: dict[str, Any] = {"theta": theta, "rope_type": rope_type}
     if rope_type in ("linear", "llama3"):
-        kwargs["factor"] = float(params["factor"])
+        kwargs["factor"] = params["factor"]
     if rope_type == "llama3":
-        kwargs["low_freq_factor"] = float(params["low_freq_factor"])
-        kwargs["high_freq_factor"] = float(params["high_freq_factor"])
-        kwargs["original_max_position_embeddings"] = int(params["original_max_position_embeddings"])
+        for name in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            kwargs[name] = params[name]
     return RopeConfig(**kwargs)
 
 
-def _sliding_window_from_hf(hf: dict[str, Any]) -> int | None:
+def _sliding_window_from_hf(hf: dict[str, Any]) -> Any:
+    """The model's own window as config.json gives it (ModelConfig checks it), or None."""
     window = hf.get("sliding_window")
     if window is None:
         return None
@@ -170,4 +177,96 @@ def _sliding_window_from_hf(hf: dict[str, Any]) -> int | None:
         if hf.get("use_sliding_window"):
             raise CheckpointError("Qwen sliding-window layers (use_sliding_window=true) are not supported")
         return None
-    return int(window)
+    return window
+
+
+# ----- validation ---------------------------------------------------------------------------------
+
+
+class FieldError(Exception):
+    """A field of ModelConfig or RopeConfig holds a value of the wrong type (``FieldTypeError``)
+    or out of range (``FieldValueError``). ``owner`` and ``field`` name it and ``problem`` says
+    what is wrong, so that ``from_hf`` can name the config.json key too."""
+
+    def __init__(self, owner: str, field: str, problem: str) -> None:
+        super().__init__(f"{owner}.{field} {problem}")
+        self.owner = owner
+        self.field = field
+        self.problem = problem
+
+
+class FieldTypeError(FieldError, TypeError):
+    pass
+
+
+class FieldValueError(FieldError, ValueError):
+    pass
+
+
+# ModelConfig and RopeConfig fields that config.json names differently.
+JSON_KEYS = {
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+    "qkv_bias": "attention_bias",
+    "o_bias": "attention_bias",
+    "theta": "rope_theta",
+}
+
+
+def _is_int(value: object) -> bool:
+    # bool is a subclass of int, but true is no layer count.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return _is_int(value) or isinstance(value, float)
+
+
+# A field's annotation, as a string (this module postpones annotations) -> (what the value must be,
+# test). A field added with an annotation missing here fails on the first construction.
+_TYPES: dict[str, tuple[str, Callable[[object], bool]]] = {
+    "int": ("an int", _is_int),
+    "int | None": ("an int or null", lambda v: v is None or _is_int(v)),
+    "float": ("a number", _is_number),
+    "bool": ("true or false", lambda v: isinstance(v, bool)),
+    "str": ("a string", lambda v: isinstance(v, str)),
+    "int | list[int] | None": (
+        "an int, a list of ints or null",
+        lambda v: v is None or _is_int(v) or (isinstance(v, list) and all(_is_int(x) for x in v)),
+    ),
+    "RopeConfig": ("a RopeConfig", lambda v: isinstance(v, RopeConfig)),
+}
+
+# Field -> (what its value must be, test), checked once its type is right.
+Rule = tuple[str, Callable[[Any], bool]]
+_POSITIVE: Rule = ("positive", lambda v: v > 0)
+_MODEL_RULES: dict[str, Rule] = {
+    **{name: _POSITIVE for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                                    "num_heads", "num_kv_heads", "max_position_embeddings")},
+    "head_dim": ("positive and even (rotary embeddings rotate pairs)", lambda v: v > 0 and v % 2 == 0),
+    "sliding_window": ("positive or null (no window)", lambda v: v is None or v > 0),
+}
+_ROPE_RULES: dict[str, Rule] = {
+    "rope_type": (f"one of {', '.join(ROPE_TYPES)}", lambda v: v in ROPE_TYPES),
+    "theta": _POSITIVE,
+    "factor": _POSITIVE,
+}
+
+
+def _validate(config: ModelConfig | RopeConfig, rules: dict[str, Rule]) -> None:
+    """Check each field of ``config``, in order, against its annotation and then its rule (so a
+    bad field is reported before any field derived from it). A float field given an int keeps
+    it as a float."""
+    owner = type(config).__name__
+    for f in fields(config):
+        value = getattr(config, f.name)
+        expected, is_type = _TYPES[f.type]
+        if not is_type(value):
+            raise FieldTypeError(owner, f.name, f"must be {expected}, got {value!r} ({type(value).__name__})")
+        if f.type == "float":
+            object.__setattr__(config, f.name, float(value))
+        if f.name in rules:
+            must, holds = rules[f.name]
+            if not holds(value):
+                raise FieldValueError(owner, f.name, f"must be {must}, got {value!r}")

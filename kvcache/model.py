@@ -8,6 +8,7 @@ the fused causal kernel directly. Module names follow the Hugging Face layout (m
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch
@@ -120,6 +121,8 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", inverse_frequencies(cfg.rope, cfg.head_dim), persistent=False)
         self.layer_hook: LayerHook | None = None
+        # A long generation would repeat the warning at every step: it is given once per model.
+        self._warned_positions = False
 
     def reset_rope(self) -> None:
         """Recompute the rotary frequencies (after the model was built on the meta device)."""
@@ -151,16 +154,19 @@ class Transformer(nn.Module):
         B, T = input_ids.shape
         if T == 0:
             raise ValueError("input_ids has no tokens (shape (batch, 0))")
+        self._check_token_ids(input_ids)
         if cache is None:
             if n_tokens is not None:
                 raise ValueError("n_tokens (ragged chunks) needs a cache; without one every row has T tokens")
             step = None
             positions = torch.arange(T, device=input_ids.device).unsqueeze(0)  # (1, T)
             last = torch.full((B,), T - 1, device=input_ids.device)
+            self._warn_past_max_positions(T)
         else:
-            step = cache.begin(input_ids, n_tokens)
+            step = cache.begin(input_ids, n_tokens, model=self)
             positions = step.positions  # (B, T)
             last = step.last_index
+            self._warn_past_max_positions(step.span_end)
         cos, sin = rope_angles(self.inv_freq, positions, self.embed_tokens.weight.dtype)
         x = self.embed_tokens(input_ids)
         for i, block in enumerate(self.layers):
@@ -175,3 +181,40 @@ class Transformer(nn.Module):
             x = x[torch.arange(B, device=x.device), last].unsqueeze(1)
         x = self.norm(x)
         return x if skip_lm_head else self.lm_head(x)
+
+    def _check_token_ids(self, input_ids: torch.Tensor) -> None:
+        """Reject ids outside [0, vocab_size), padding included, before a cache is touched.
+
+        input_ids: (B, T) integer tensor.
+        """
+        V = self.config.vocab_size
+        if input_ids.is_cuda:
+            # A host-side check would synchronise every decode step and break CUDA graph capture.
+            # The asynchronous assert costs a few tiny kernels and fails as the embedding's own
+            # out-of-range assert would (the CUDA context is unusable afterwards, cache included),
+            # but recent torch versions print this message with it, naming the cause.
+            in_range = input_ids.ge(0).logical_and_(input_ids.lt(V)).all()
+            torch._assert_async(in_range, f"input_ids holds token ids outside [0, {V}), the model's vocabulary")
+            return
+        lo, hi = input_ids.aminmax()
+        if int(lo) < 0 or int(hi) >= V:
+            bad = input_ids[(input_ids < 0) | (input_ids >= V)].unique()
+            raise ValueError(
+                f"input_ids holds token ids outside [0, {V}) (the model's vocab_size is {V}): "
+                f"{bad[:8].tolist()}{' ...' if len(bad) > 8 else ''}. Encode text with the model's own tokenizer."
+            )
+
+    def _warn_past_max_positions(self, length: int) -> None:
+        """Warn, once per model, when a sequence of ``length`` tokens reaches positions beyond
+        ``max_position_embeddings``."""
+        limit = self.config.max_position_embeddings
+        if length <= limit or self._warned_positions:
+            return
+        self._warned_positions = True
+        warnings.warn(
+            f"a sequence reached position {length - 1}, beyond the model's max_position_embeddings={limit} "
+            f"(positions 0 to {limit - 1}); the model was not configured for such positions and its "
+            "output may degrade. (A sink cache with positions='renumbered' keeps attention distances "
+            "within its cache_length.) This warning is given once per model.",
+            stacklevel=2,
+        )

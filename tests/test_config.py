@@ -67,3 +67,64 @@ def test_rope_config_validation():
         RopeConfig(rope_type="dynamic")
     with pytest.raises(ValueError):
         RopeConfig(factor=0.0)
+
+
+# --- field types ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "changes, key, says",
+    [
+        ({"hidden_size": "64"}, "hidden_size", "must be an int, got '64' (str)"),
+        ({"num_hidden_layers": True}, "num_hidden_layers (ModelConfig.num_layers)", "must be an int, got True (bool)"),
+        ({"num_attention_heads": 4.0}, "num_attention_heads", "must be an int, got 4.0 (float)"),
+        ({"num_attention_heads": 0}, "num_attention_heads", "must be positive, got 0"),
+        ({"num_key_value_heads": "2"}, "num_key_value_heads", "must be an int"),
+        ({"vocab_size": None}, "vocab_size", "must be an int, got None"),
+        ({"head_dim": 16.0}, "head_dim", "must be an int"),
+        ({"rms_norm_eps": "1e-6"}, "rms_norm_eps", "must be a number"),
+        ({"max_position_embeddings": "4096"}, "max_position_embeddings", "must be an int"),
+        ({"attention_bias": "false"}, "attention_bias", "must be true or false, got 'false'"),
+        ({"tie_word_embeddings": 1}, "tie_word_embeddings", "must be true or false"),
+        ({"eos_token_id": "2"}, "eos_token_id", "must be an int, a list of ints or null"),
+        ({"eos_token_id": [2, "3"]}, "eos_token_id", "must be an int, a list of ints or null"),
+        ({"bos_token_id": 1.5}, "bos_token_id", "must be an int or null"),
+        ({"rope_theta": "1e4"}, "rope_theta", "must be a number, got '1e4'"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": "4"}}, "factor", "must be a number"),
+        ({"model_type": "mistral", "sliding_window": "8"}, "sliding_window", "must be an int or null"),
+    ],
+)
+def test_wrong_types_name_the_config_json_field(changes, key, says):
+    with pytest.raises(CheckpointError) as err:
+        ModelConfig.from_hf({**BASE, "model_type": "llama", **changes})
+    message = str(err.value)
+    assert "config.json" in message and key in message and says in message
+
+
+def test_ints_where_floats_are_expected():
+    cfg = ModelConfig.from_hf({**BASE, "model_type": "qwen2", "rope_theta": 1000000})
+    assert cfg.rope.theta == 1e6 and isinstance(cfg.rope.theta, float)
+
+
+@pytest.mark.parametrize("eos", [None, 2, [2, 7]])
+def test_eos_token_id_forms(eos):
+    assert ModelConfig.from_hf({**BASE, "model_type": "llama", "eos_token_id": eos}).eos_token_id == eos
+
+
+def test_null_flags_are_false():
+    cfg = ModelConfig.from_hf({**BASE, "model_type": "llama", "attention_bias": None, "tie_word_embeddings": None})
+    assert not cfg.qkv_bias and not cfg.o_bias and not cfg.tie_word_embeddings
+
+
+def test_model_config_type_errors_name_the_field():
+    args = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                num_kv_heads=2, head_dim=16)
+    ModelConfig(**args)
+    with pytest.raises(TypeError, match=r"ModelConfig\.hidden_size must be an int, got '64' \(str\)"):
+        ModelConfig(**{**args, "hidden_size": "64"})
+    with pytest.raises(TypeError, match=r"ModelConfig\.num_layers must be an int, got True"):
+        ModelConfig(**{**args, "num_layers": True})
+    with pytest.raises(ValueError, match=r"ModelConfig\.head_dim must be positive and even"):
+        ModelConfig(**{**args, "head_dim": 15})
+    with pytest.raises(TypeError, match=r"RopeConfig\.theta must be a number"):
+        RopeConfig(theta="10000")

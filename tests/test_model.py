@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -223,3 +225,57 @@ def test_bad_input_ids_rejected_with_cache_leaves_cache(llama):
 def test_n_tokens_without_cache_rejected(llama):
     with pytest.raises(ValueError, match="n_tokens"):
         llama(random_ids(4, batch=2), n_tokens=[4, 2])
+
+
+def test_token_ids_outside_vocabulary_name_ids_and_vocab_size(llama):
+    with pytest.raises(ValueError, match=r"outside \[0, 128\).*\[8192\]"):
+        llama(torch.tensor([[5, 8192]]))
+
+
+# --- positions past max_position_embeddings ------------------------------------------------------
+
+
+@pytest.fixture
+def short_context(llama):
+    """A model like ``llama`` configured for positions 0..7 only."""
+    torch.manual_seed(0)
+    return kvcache.Transformer(dataclasses.replace(llama.config, max_position_embeddings=8)).eval()
+
+
+def _position_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if "max_position_embeddings" in str(w.message)]
+
+
+def test_no_warning_up_to_max_positions(short_context):
+    cache = kvcache.make_cache(short_context, cache_length=8)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with torch.inference_mode():
+            short_context(random_ids(8))
+            short_context(random_ids(5), cache)
+            short_context(random_ids(3), cache)
+    assert _position_warnings(record) == []
+
+
+def test_warns_once_past_max_positions_without_cache(short_context):
+    with torch.inference_mode():
+        with pytest.warns(UserWarning, match=r"position 9, beyond the model's max_position_embeddings=8"):
+            short_context(random_ids(10))
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            short_context(random_ids(12))
+    assert _position_warnings(record) == []
+
+
+def test_warns_once_past_max_positions_with_cache(short_context):
+    cache = kvcache.make_cache(short_context, "window", cache_length=4, batch_size=2)
+    with torch.inference_mode():
+        short_context(random_ids(6, batch=2), cache, n_tokens=[6, 2])
+        # Row 0 reaches position 8 (its 9th token); row 1 only position 4.
+        with pytest.warns(UserWarning, match=r"position 8, beyond the model's max_position_embeddings=8"):
+            short_context(random_ids(3, batch=2), cache, n_tokens=[3, 3])
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                short_context(random_ids(1, batch=2), cache)
+    assert _position_warnings(record) == []

@@ -21,11 +21,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import CapacityError
 from .options import NoOptions
+
+if TYPE_CHECKING:
+    from ..model import Transformer
 
 
 @dataclass(frozen=True)
@@ -141,9 +145,19 @@ class LayerCache(ABC):
 
 
 class KVCache:
-    """The cache of a whole model: one ``LayerCache`` per layer plus each row's token count."""
+    """The cache of a whole model: one ``LayerCache`` per layer plus each row's token count.
+
+    A cache is made for one model (``kvcache.make_cache(model, ...)``): its layer count, K/V
+    heads, head size, dtype and device are the model's, and ``begin`` rejects a call from a
+    model that differs in any of them.
+
+    ``lengths``: (B,) long, CPU. The tokens each row has seen since the last ``reset``, which
+    is the position the row's next token takes. It is not the number of slots a row holds: an
+    evicting cache holds at most ``cache_length`` of them.
+    """
 
     def __init__(self, layers: list[LayerCache], spec: CacheSpec, policy: str) -> None:
+        _check_layers(layers, spec)
         self.layers = layers
         self.spec = spec
         self.policy = policy
@@ -159,8 +173,42 @@ class KVCache:
     def cache_length(self) -> int:
         return self.spec.cache_length
 
-    def begin(self, input_ids: torch.Tensor, n_tokens: torch.Tensor | list[int] | None) -> Step:
-        """Validate the chunk ``input_ids`` (B, T) and describe it for the layers."""
+    @property
+    def max_tokens(self) -> int | None:
+        """The most tokens a row can hold, or None if the cache evicts and so takes any number.
+
+        A cache that keeps every token (dense) rejects a chunk that would take a row past this
+        with ``CapacityError``; a caller that knows how many tokens it will feed can check first.
+        """
+        if any(layer.evicts for layer in self.layers):
+            return None
+        return min(layer.spec.cache_length for layer in self.layers)
+
+    def check_model(self, model: Transformer) -> None:
+        """Raise ValueError unless ``model`` has the layers, K/V heads, head size, dtype and device
+        this cache was made for. Reads only what ``make_cache`` reads from a model."""
+        cfg, weight = model.config, model.embed_tokens.weight
+        cache = (len(self.layers), self.spec.num_kv_heads, self.spec.head_dim, self.spec.dtype, self.spec.device)
+        wanted = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, weight.dtype, weight.device)
+        names = ("layers", "K/V heads", "head_dim", "dtype", "device")
+        differ = [f"{name} {c} (cache) vs {m} (model)" for name, c, m in zip(names, cache, wanted) if c != m]
+        if differ:
+            raise ValueError(
+                f"this cache was made for another model: {'; '.join(differ)}. Make the cache for this "
+                "model with kvcache.make_cache(model, ...), after any change of the model's dtype or device."
+            )
+
+    def begin(
+        self, input_ids: torch.Tensor, n_tokens: torch.Tensor | list[int] | None, model: Transformer | None = None
+    ) -> Step:
+        """Validate the chunk ``input_ids`` (B, T) and describe it for the layers.
+
+        ``model``: the model about to run the chunk, checked against the cache (``check_model``);
+        ``Transformer.forward`` always passes itself. Nothing is changed here: a chunk rejected
+        by any check leaves the cache as it was (``commit`` is what advances it).
+        """
+        if model is not None:
+            self.check_model(model)
         B, T = input_ids.shape
         if B != self.batch_size:
             raise ValueError(
@@ -224,6 +272,22 @@ class KVCache:
             f"KVCache(policy={self.policy!r}, layers={len(self.layers)}, batch_size={self.batch_size}, "
             f"cache_length={self.cache_length}, lengths={self.lengths.tolist()}, nbytes={self.nbytes()})"
         )
+
+
+def _check_layers(layers: list[LayerCache], spec: CacheSpec) -> None:
+    """Every layer must share the container's geometry, so that checking the container's spec
+    against a model checks every layer."""
+    if not layers:
+        raise ValueError("a KVCache needs one layer cache per model layer, got none")
+    shared = ("batch_size", "num_kv_heads", "head_dim", "dtype", "device")
+    for i, layer in enumerate(layers):
+        differ = [f"{name}={getattr(layer.spec, name)}" for name in shared
+                  if getattr(layer.spec, name) != getattr(spec, name)]
+        if differ:
+            raise ValueError(
+                f"layer {i} was made with {', '.join(differ)}, unlike the cache's spec "
+                f"({', '.join(f'{name}={getattr(spec, name)}' for name in shared)})"
+            )
 
 
 def capacity_error(step: Step, capacity: int, policy: str) -> CapacityError:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -94,3 +96,50 @@ def test_fresh_cache_state(llama, cache):
     assert cache.lengths.dtype == torch.long
     for layer in cache.layers:
         assert bool((layer.storage.pos == -1).all())
+
+
+# --- max_tokens --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["dense", "dense:int8", "dense:int4"])
+def test_max_tokens_of_a_cache_that_keeps_every_token(llama, policy):
+    """max_tokens is exactly what a row can take: one token more raises CapacityError."""
+    cache = kvcache.make_cache(llama, policy, cache_length=7, batch_size=2)
+    assert cache.max_tokens == 7
+    with torch.inference_mode():
+        llama(random_ids(7, batch=2), cache, n_tokens=[7, 4])
+        with pytest.raises(kvcache.CapacityError):
+            llama(random_ids(1, batch=2), cache)
+        llama(random_ids(3, batch=2), cache, n_tokens=[0, 3])
+    assert cache.lengths.tolist() == [7, 7]
+
+
+@pytest.mark.parametrize("policy", ["window", "sink", "h2o", "tova", "snapkv", "window:int8"])
+def test_max_tokens_of_an_evicting_cache_is_none(llama, policy):
+    cache = kvcache.make_cache(llama, policy, cache_length=6)
+    assert cache.max_tokens is None
+    with torch.inference_mode():
+        llama(random_ids(20), cache)  # more than cache_length, without complaint
+    assert cache.lengths.tolist() == [20]
+
+
+def test_max_tokens_with_head_budgets_is_none(llama):
+    cache = kvcache.make_cache(llama, "h2o", cache_length=6, head_budgets=[[4, 8], [6, 6]])
+    assert cache.max_tokens is None
+
+
+# --- the container's geometry --------------------------------------------------------------------
+
+
+def test_layers_must_share_the_containers_geometry(llama):
+    from kvcache.cache import KVCache
+    from kvcache.cache.policies.dense import DenseCache
+
+    spec = kvcache.make_cache(llama, cache_length=4).spec
+    other = dataclasses.replace(spec, dtype=torch.float64)
+    with pytest.raises(ValueError, match="layer 1 was made with dtype=torch.float64"):
+        KVCache([DenseCache(spec), DenseCache(other)], spec, "dense")
+    with pytest.raises(ValueError, match="got none"):
+        KVCache([], spec, "dense")
+    # Layers may differ in cache_length (pyramid allocation), not in geometry.
+    KVCache([DenseCache(spec), DenseCache(dataclasses.replace(spec, cache_length=9))], spec, "dense")
