@@ -21,15 +21,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import CapacityError
 from .options import NoOptions
 
-if TYPE_CHECKING:
-    from ..model import Transformer
 
 
 @dataclass(frozen=True)
@@ -57,6 +54,16 @@ class CacheSpec:
             raise ValueError(f"batch_size must be positive, got {self.batch_size}")
         if self.cache_length <= 0:
             raise ValueError(f"cache_length must be positive, got {self.cache_length}")
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, *, batch_size: int, cache_length: int, storage: str = "full",
+                  reserve: int = 0) -> CacheSpec:
+        """The geometry of a cache for ``model`` (a ``Transformer``): its K/V heads, head size,
+        dtype, device, sliding window and rotary frequencies. The one place they are read."""
+        cfg, weight = model.config, model.embed_tokens.weight
+        return cls(batch_size=batch_size, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                   cache_length=cache_length, dtype=weight.dtype, device=weight.device,
+                   window=cfg.sliding_window, inv_freq=model.inv_freq, storage=storage, reserve=reserve)
 
 
 @dataclass(frozen=True)
@@ -184,12 +191,12 @@ class KVCache:
             return None
         return min(layer.spec.cache_length for layer in self.layers)
 
-    def check_model(self, model: Transformer) -> None:
+    def check_model(self, model: torch.nn.Module) -> None:
         """Raise ValueError unless ``model`` has the layers, K/V heads, head size, dtype and device
         this cache was made for. Reads only what ``make_cache`` reads from a model."""
-        cfg, weight = model.config, model.embed_tokens.weight
+        spec = CacheSpec.for_model(model, batch_size=self.batch_size, cache_length=self.cache_length)
         cache = (len(self.layers), self.spec.num_kv_heads, self.spec.head_dim, self.spec.dtype, self.spec.device)
-        wanted = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, weight.dtype, weight.device)
+        wanted = (model.config.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, spec.device)
         names = ("layers", "K/V heads", "head_dim", "dtype", "device")
         differ = [f"{name} {c} (cache) vs {m} (model)" for name, c, m in zip(names, cache, wanted) if c != m]
         if differ:
@@ -199,7 +206,7 @@ class KVCache:
             )
 
     def begin(
-        self, input_ids: torch.Tensor, n_tokens: torch.Tensor | list[int] | None, model: Transformer | None = None
+        self, input_ids: torch.Tensor, n_tokens: torch.Tensor | list[int] | None, model: torch.nn.Module | None = None
     ) -> Step:
         """Validate the chunk ``input_ids`` (B, T) and describe it for the layers.
 

@@ -89,10 +89,8 @@ def adaptive_head_budgets(
         raise ValueError(f"kernel must be a positive odd number, got {kernel}")
     T = input_ids.shape[1]
     window = min(window, T)
-    cfg, weight = model.config, model.embed_tokens.weight
-    spec = CacheSpec(batch_size=1, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, cache_length=T,
-                     dtype=weight.dtype, device=weight.device, window=cfg.sliding_window)
-    probe = KVCache([_VoteRecorder(spec, window, kernel) for _ in range(cfg.num_layers)], spec, "dense")
+    spec = CacheSpec.for_model(model, batch_size=1, cache_length=T)
+    probe = KVCache([_VoteRecorder(spec, window, kernel) for _ in range(model.config.num_layers)], spec, "dense")
     model(input_ids, probe)
     budgets = []
     for layer in probe.layers:

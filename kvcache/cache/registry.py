@@ -200,14 +200,9 @@ def make_cache(
             parts.append(f"allocation={allocation!r} gives layer {i} {size} of cache_length={tokens}")
         return f" ({'; '.join(parts)})" if parts else ""
 
-    weight = model.embed_tokens.weight
     layers: list[LayerCache] = []
     for i, budget in enumerate(budgets):
-        spec = CacheSpec(
-            batch_size=batch_size, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, cache_length=budget,
-            dtype=weight.dtype, device=weight.device, window=cfg.sliding_window, inv_freq=model.inv_freq,
-            storage=storage, reserve=reserve,
-        )
+        spec = CacheSpec.for_model(model, batch_size=batch_size, cache_length=budget, storage=storage, reserve=reserve)
         heads = None if head_budgets is None else head_budgets[i]
         try:
             layers.append(_layer(cls, spec, options, heads))
