@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
+from typing import Mapping, Sequence
 
 import torch
 from safetensors import safe_open
@@ -76,7 +79,9 @@ def load(
 ) -> Transformer:
     """Load a model from a Hugging Face-format checkpoint directory.
 
-    The directory needs ``config.json`` and ``model.safetensors`` (or a sharded
+    ``source`` is the directory; without one (``kvcache.load()``) the bundled reference model is
+    loaded (``kvcache/reference_model``, a 5.1M-parameter Llama stored in float16). The directory
+    needs ``config.json`` and ``model.safetensors`` (or a sharded
     ``model.safetensors.index.json``). ``dtype`` defaults to the checkpoint's, ``device`` to CPU.
     The model is returned in eval mode.
     """
@@ -122,12 +127,17 @@ def load(
 
 @dataclass
 class Tokenizer:
-    """A ``tokenizers`` tokenizer with the special tokens and chat template of its checkpoint."""
+    """A ``tokenizers`` tokenizer with the special tokens and chat template of its checkpoint.
+
+    ``special_tokens`` maps names such as ``bos_token`` and ``eos_token`` to their text, for
+    chat templates that write them.
+    """
 
     backend: object
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     chat_template: str | None = None
+    special_tokens: dict[str, str] = field(default_factory=dict)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
@@ -139,9 +149,94 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size()
 
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, object]],
+        *,
+        add_generation_prompt: bool = False,
+        tokenize: bool = True,
+    ) -> list[int] | str:
+        """Render a conversation with the checkpoint's chat template, as transformers does.
+
+        ``messages`` is a list of ``{"role": "system" | "user" | "assistant", "content": text}``.
+        ``add_generation_prompt`` appends what opens the assistant's turn (pass True to generate
+        a reply). Returns token ids (``tokenize=True``; the template writes the special tokens
+        itself, so none are added) or the rendered text. Raises ``ValueError`` if the checkpoint
+        has no chat template or the template rejects the messages.
+        """
+        if self.chat_template is None:
+            raise ValueError(
+                "this checkpoint has no chat template (no chat_template in tokenizer_config.json and no "
+                "chat_template.jinja), so it was probably not trained for chat; pass plain text to encode()"
+            )
+        _check_messages(messages)
+        text = _render_chat(self.chat_template, messages, add_generation_prompt, self.special_tokens)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+def _check_messages(messages: object) -> None:
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise ValueError(f'messages must be a list of {{"role": ..., "content": ...}} dicts, got {type(messages).__name__}')
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or "content" not in m:
+            raise ValueError(f'message {i} must be a dict with a "role" string and a "content", got {m!r}')
+
+
+@functools.lru_cache(maxsize=8)
+def _compile_chat_template(template: str):
+    """The template compiled in the environment transformers renders chat templates in: a
+    sandbox, trim_blocks and lstrip_blocks, loop controls, ``tojson`` that keeps non-ASCII text,
+    and the globals ``raise_exception`` and ``strftime_now``."""
+    from jinja2.exceptions import TemplateError
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str):
+        raise TemplateError(message)
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(template)
+    except TemplateError as e:
+        raise ValueError(f"the checkpoint's chat template is not valid Jinja: {e}") from None
+
+
+def _render_chat(template: str, messages, add_generation_prompt: bool, special_tokens: dict[str, str]) -> str:
+    from jinja2.exceptions import TemplateError
+
+    compiled = _compile_chat_template(template)
+    try:
+        return compiled.render(messages=list(messages), add_generation_prompt=add_generation_prompt, **special_tokens)
+    except TemplateError as e:
+        raise ValueError(f"the checkpoint's chat template rejected the messages: {e}") from None
+
+
+def _read_chat_template(path: Path, config: dict) -> str | None:
+    """``chat_template.jinja`` if the checkpoint has one (newer transformers save it there), else
+    ``chat_template`` of tokenizer_config.json: a string, or a list of named templates of which
+    the one named "default" is taken."""
+    file = path / "chat_template.jinja"
+    if file.exists():
+        return file.read_text()
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default", next(iter(named.values()), None) if len(named) == 1 else None)
+    return template if isinstance(template, str) else None
+
+
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
 
 def load_tokenizer(source: str | Path | None = None) -> Tokenizer:
-    """Load ``tokenizer.json`` (and ``tokenizer_config.json`` if present) from a checkpoint directory."""
+    """Load ``tokenizer.json`` (and ``tokenizer_config.json`` and ``chat_template.jinja`` if
+    present) from a checkpoint directory; without one, the bundled reference model's."""
     from tokenizers import Tokenizer as Backend
 
     path = _resolve(source)
@@ -152,23 +247,81 @@ def load_tokenizer(source: str | Path | None = None) -> Tokenizer:
         backend = Backend.from_file(str(file))
     except Exception as e:
         raise CheckpointError(f"cannot read {file}: {e}") from None
-    extra: dict = {}
-    config_file = path / "tokenizer_config.json"
-    if config_file.exists():
-        try:
-            extra = json.loads(config_file.read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{config_file} is not valid JSON: {e}") from None
+    extra = _read_json(path / "tokenizer_config.json")
 
-    def token_id(key: str) -> int | None:
+    def token_text(key: str) -> str | None:
         token = extra.get(key)
         if isinstance(token, dict):
             token = token.get("content")
-        return backend.token_to_id(token) if isinstance(token, str) else None
+        return token if isinstance(token, str) else None
+
+    def token_id(key: str) -> int | None:
+        text = token_text(key)
+        return None if text is None else backend.token_to_id(text)
 
     return Tokenizer(
         backend=backend,
         bos_token_id=token_id("bos_token"),
         eos_token_id=token_id("eos_token"),
-        chat_template=extra.get("chat_template"),
+        chat_template=_read_chat_template(path, extra),
+        special_tokens={k: t for k in _SPECIAL_TOKEN_KEYS if (t := token_text(k)) is not None},
     )
+
+
+def _read_json(file: Path) -> dict:
+    """A JSON object from ``file``; {} if the file does not exist."""
+    if not file.exists():
+        return {}
+    try:
+        data = json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{file} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def generation_config(source: str | Path | None = None) -> dict[str, object]:
+    """Generation defaults from a checkpoint's ``generation_config.json`` ({} without one).
+
+    Returns those of ``max_new_tokens``, ``repetition_penalty``, ``eos_token_id`` (an int or a
+    list) and, only when the file sets ``"do_sample": true`` as transformers requires before it
+    samples, ``temperature``, ``top_k`` and ``top_p``, that the file sets. Values that mean "off"
+    in transformers (``top_k`` 0, ``top_p`` 1.0, ``repetition_penalty`` 1.0) are left out.
+    ``kvcache generate`` uses these as its defaults; its flags win.
+    """
+    path = _resolve(source)
+    file = path / "generation_config.json"
+    raw = _read_json(file)
+
+    def get(key: str, kinds: tuple[type, ...]):
+        value = raw.get(key)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            raise CheckpointError(f"{file}: {key} must be {' or '.join(k.__name__ for k in kinds)}, got {value!r}")
+        return value
+
+    out: dict[str, object] = {}
+    new = get("max_new_tokens", (int,))
+    if new is not None:
+        out["max_new_tokens"] = new
+    penalty = get("repetition_penalty", (int, float))
+    if penalty is not None and penalty != 1.0:
+        out["repetition_penalty"] = float(penalty)
+    eos = get("eos_token_id", (int, list))
+    if eos is not None:
+        if isinstance(eos, list) and not all(isinstance(t, int) and not isinstance(t, bool) for t in eos):
+            raise CheckpointError(f"{file}: eos_token_id must be an int or a list of ints, got {eos!r}")
+        out["eos_token_id"] = eos
+    if raw.get("do_sample") is True:
+        temperature = get("temperature", (int, float))
+        top_k = get("top_k", (int,))
+        top_p = get("top_p", (int, float))
+        # Sampling without a temperature samples at 1.0; at 0 it is greedy, and filters do not apply.
+        out["temperature"] = 1.0 if temperature is None else float(temperature)
+        if top_k and out["temperature"] > 0:
+            out["top_k"] = top_k
+        if top_p is not None and top_p != 1.0 and out["temperature"] > 0:
+            out["top_p"] = float(top_p)
+    return out

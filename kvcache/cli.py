@@ -1,23 +1,34 @@
-"""The ``kvcache`` command line: ``kvcache generate PROMPT`` and ``kvcache policies``."""
+"""The ``kvcache`` command line: ``kvcache generate``, ``kvcache eval`` and ``kvcache policies``.
+
+Generated text goes to stdout (or one JSON object per prompt with ``--json``); progress, the
+summary and errors go to stderr, so the output can be piped.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from . import generate, load, load_tokenizer, make_cache, policies, policy_options, storages
-from .errors import KVCacheError
+from . import __version__, load, load_tokenizer, make_cache, option_info, policies, storages
+from .checkpoint import Tokenizer, generation_config
+from .errors import GenerationError, KVCacheError
+from .generate import DEFAULT_PREFILL_CHUNK, generate, truncate_at_stop
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-# Small enough that the progress bar moves on a long prompt, large enough that per-chunk overhead
-# stays negligible next to the matmuls.
-DEFAULT_PREFILL_CHUNK = 512
+DEFAULT_MAX_NEW_TOKENS = 128
+DEFAULT_EVAL_OUT = "kvcache-eval"
+THREADS_HELP = (
+    "CPU threads for torch (default: torch's, usually one per core). Use 1 when another CPU-bound "
+    "process shares the machine: with one running on 2 cores, 2 threads gave 383 tok/s prefill and "
+    "31 tok/s decode, 1 thread 5700 and 243"
+)
 
 
 class TextStream:
@@ -26,29 +37,89 @@ class TextStream:
     Decoding each token on its own would break multi-token characters and the tokenizer's spacing
     rules, so the whole list is decoded every time and only the new suffix is printed. A trailing
     U+FFFD means the last tokens end inside a UTF-8 sequence; that text is held back until the
-    sequence completes (or ``finish`` is called).
+    sequence completes (or ``finish`` is called). With ``stop_strings``, nothing from the first
+    stop string on is printed, and text that could be the start of one is held back until it is
+    known not to be.
     """
 
-    def __init__(self, tokenizer, out) -> None:
+    def __init__(self, tokenizer, out, stop_strings: tuple[str, ...] = ()) -> None:
         self.tokenizer = tokenizer
         self.out = out
+        self.stop_strings = stop_strings
         self.ids: list[int] = []
         self.printed = 0
+
+    @property
+    def text(self) -> str:
+        """The text so far, cut at the first stop string."""
+        return truncate_at_stop(self.tokenizer.decode(self.ids), self.stop_strings)
 
     def push(self, token: int) -> None:
         self.ids.append(token)
         text = self.tokenizer.decode(self.ids)
         if not text.endswith("\ufffd"):
-            self._emit(text)
+            self._emit(self._settled(text))
 
     def finish(self) -> None:
-        self._emit(self.tokenizer.decode(self.ids))
+        self._emit(self.text)
+
+    def _settled(self, text: str) -> str:
+        """The part of ``text`` that later tokens cannot turn into (part of) a stop string."""
+        cut = truncate_at_stop(text, self.stop_strings)
+        if len(cut) < len(text):
+            return cut
+        held = max((k for s in self.stop_strings for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        return text[: len(text) - held]
 
     def _emit(self, text: str) -> None:
         if len(text) > self.printed:
             self.out.write(text[self.printed :])
             self.out.flush()
             self.printed = len(text)
+
+
+# --- argument types: each raises ArgumentTypeError, whose message argparse shows after the flag ---
+
+
+def cache_length_arg(value: str) -> int | float:
+    """``--cache-length``: an integer is a token count, a number with a decimal point (or in
+    (0, 1]) a fraction of the prompt."""
+    text = value.strip()
+    accepted = "a token count such as 300, or a fraction of the prompt in (0, 1] such as 0.25 (1.0: the whole prompt)"
+    if text.isdigit():
+        if int(text) < 1:
+            raise argparse.ArgumentTypeError(f"expected {accepted}; got {value!r}")
+        return int(text)
+    try:
+        number = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {accepted}; got {value!r}") from None
+    if not 0 < number <= 1:
+        raise argparse.ArgumentTypeError(
+            f"expected {accepted}; got {value!r} (a number with a decimal point is a fraction; "
+            "write a token count without one)"
+        )
+    return number
+
+
+def _int_at_least(low: int):
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            number = None
+        if number is None or number < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value!r}")
+        return number
+
+    return parse
+
+
+def _number(value: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
 
 
 def _device(value: str) -> torch.device:
@@ -61,6 +132,16 @@ def _device(value: str) -> torch.device:
     return device
 
 
+def _list(convert):
+    def parse(value: str) -> list:
+        try:
+            return [convert(v.strip()) for v in value.split(",") if v.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list, got {value!r}") from None
+
+    return parse
+
+
 def _dtype(name: str | None, device: torch.device) -> torch.dtype | None:
     """The --dtype choice; by default float32 on CPU, whose half-precision kernels are slow
     (the bundled model is stored in float16), and the checkpoint's own dtype elsewhere."""
@@ -69,127 +150,138 @@ def _dtype(name: str | None, device: torch.device) -> torch.dtype | None:
     return torch.float32 if device.type == "cpu" else None
 
 
-def _names(value: str) -> list[str]:
-    return [v.strip() for v in value.split(",") if v.strip()]
+def _set_threads(threads: int | None) -> None:
+    if threads is not None:
+        torch.set_num_threads(threads)
 
 
-def _floats(value: str) -> list[float]:
-    return [float(v) for v in _names(value)]
+# --- the parser ---
 
 
-def _ints(value: str) -> list[int]:
-    return [int(v) for v in _names(value)]
+def _policy_options() -> dict[str, list[tuple[str, object]]]:
+    """Each policy option's name -> [(policy, its OptionInfo)] over every policy that has it."""
+    found: dict[str, list] = {}
+    for name in policies():
+        for info in option_info(name):
+            found.setdefault(info.name, []).append((name, info))
+    return dict(sorted(found.items()))
 
 
-def _eval(args: argparse.Namespace) -> None:
-    import json
-    from pathlib import Path
-
-    from . import plots
-    from .evaluate import Grid, evaluate, markdown
-    from .tasks import read_texts
-
-    grid = Grid()
-    if args.quick:
-        grid = Grid(policies=["dense", "window", "sink", "h2o"], budgets=[0.25], lengths=[256],
-                    depths=[0.0, 0.5, 1.0], trials=1, stream_tokens=256)
-    overrides = {k: getattr(args, k) for k in ("policies", "budgets", "lengths", "depths", "trials",
-                                               "stream_tokens") if getattr(args, k) is not None}
-    grid = Grid(**{**grid.__dict__, **overrides})
-    tokenizer = load_tokenizer(args.model)
-    model = load(args.model, dtype=torch.float32)
-    stream = read_texts(args.texts, tokenizer)
-    report = evaluate(model, tokenizer, stream, stream, grid, progress=sys.stderr.isatty())
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    table = markdown(report)
-    (out / "report.md").write_text(table)
-    plots.quality_vs_budget(report, out / "quality_vs_budget.png")
-    plots.passkey_heatmaps(report, out / "passkey_heatmap.png", budget=min(grid.budgets))
-    print(table, end="")
-    print(f"wrote {out}/report.json, report.md, quality_vs_budget.png, passkey_heatmap.png", file=sys.stderr)
-
-
-def _budget(value: str) -> int | float:
-    number = float(value)
-    if number.is_integer() and number >= 1:
-        return int(number)
-    if 0 < number < 1:
-        return number
-    raise argparse.ArgumentTypeError(f"expected a token count >= 1 or a fraction in (0, 1), got {value}")
+def _flag_value(info) -> str:
+    if info.type is bool:
+        return "on" if info.default else "off"
+    return str(info.default)
 
 
 def _add_policy_options(parser: argparse.ArgumentParser) -> None:
     """One flag per policy option (``--recent 32``); which policy accepts which is checked by make_cache."""
-    group = parser.add_argument_group("policy options (see `kvcache policies`)")
-    seen: dict[str, list[str]] = {}
-    defaults: dict[str, object] = {}
-    for name in policies():
-        for option, default in policy_options(name).items():
-            seen.setdefault(option, []).append(name)
-            defaults[option] = default
-    for option, owners in sorted(seen.items()):
-        default = defaults[option]
-        flag = "--" + option.replace("_", "-")
+    group = parser.add_argument_group("policy options (see `kvcache policies`; each applies to the policies named)")
+    for option, owners in _policy_options().items():
+        # The shortest help text is the one that holds for every policy (others add particulars).
+        first = min((info for _, info in owners), key=lambda info: len(info.help))
+        defaults = ", ".join(f"{policy} {_flag_value(info)}" for policy, info in owners)
+        choices = tuple(dict.fromkeys(c for _, info in owners for c in info.choices or ())) or None
         # default=None marks an option the user did not give, so only given ones reach the policy.
-        kwargs = {"dest": f"opt_{option}", "default": None, "help": f"({', '.join(owners)})"}
-        if isinstance(default, bool):
+        kwargs = {"dest": f"opt_{option}", "default": None, "help": f"{first.help} (default: {defaults})"}
+        flag = "--" + option.replace("_", "-")
+        if first.type is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
+        elif choices is not None:
+            group.add_argument(flag, choices=choices, **kwargs)
         else:
-            group.add_argument(flag, type=type(default), metavar=type(default).__name__.upper(), **kwargs)
+            convert = _number if first.type is float else _int_at_least(0) if first.type is int else str
+            metavar = {int: "N", float: "X"}.get(first.type, "VALUE")
+            group.add_argument(flag, type=convert, metavar=metavar, **kwargs)
+
+
+def _add_generate(commands) -> None:
+    gen = commands.add_parser(
+        "generate", help="continue a prompt, streaming the text to stdout",
+        description="Continue a prompt (or a file of prompts, as one batch) with a KV cache. Text goes to "
+                    "stdout, progress and a summary to stderr. Sampling settings a flag does not give come from "
+                    "the checkpoint's generation_config.json when it has them, else from the defaults shown.",
+    )
+    io = gen.add_argument_group("input and output")
+    io.add_argument("prompt", nargs="?", help="prompt text, or - to read it from stdin")
+    io.add_argument("--prompts-file", metavar="FILE",
+                    help="one prompt per line (blank lines skipped; - reads stdin), run as one batch")
+    io.add_argument("--chat", action="store_true",
+                    help="send each prompt as a user message through the checkpoint's chat template")
+    io.add_argument("--system", metavar="TEXT", help="a system message before the prompt (implies --chat)")
+    io.add_argument("--json", action="store_true",
+                    help="print one JSON object per prompt (prompt, prompt_tokens, tokens, text, prefill_s, "
+                         "decode_s, prefill_tok_s, decode_tok_s, cache_bytes) instead of the text")
+    io.add_argument("--quiet", action="store_true", help="no progress bar or summary on stderr")
+
+    model = gen.add_argument_group("model")
+    model.add_argument("--model", metavar="DIR", help="Hugging Face-format checkpoint directory (default: bundled)")
+    model.add_argument("--dtype", choices=DTYPES, help="default: float32 on CPU, the checkpoint's elsewhere")
+    model.add_argument("--device", type=_device, default="cpu", help="e.g. cpu, cuda, cuda:1 (default: cpu)")
+    model.add_argument("--threads", type=_int_at_least(1), metavar="N", help=THREADS_HELP)
+
+    decoding = gen.add_argument_group("decoding")
+    decoding.add_argument("--max-new-tokens", type=_int_at_least(0), metavar="N",
+                          help=f"the most new tokens per prompt (default: {DEFAULT_MAX_NEW_TOKENS})")
+    decoding.add_argument("--temperature", type=_number, metavar="T", help="0 is greedy (default: 0)")
+    decoding.add_argument("--top-k", type=_int_at_least(1), metavar="K",
+                          help="sample among the K most likely tokens (needs --temperature > 0)")
+    decoding.add_argument("--top-p", type=_number, metavar="P",
+                          help="sample among the most likely tokens covering probability P (needs --temperature > 0)")
+    decoding.add_argument("--repetition-penalty", type=_number, metavar="R",
+                          help="divide positive logits / multiply negative logits of tokens already in the prompt "
+                               "or output by R (CTRL's penalty; 1.1-1.3 curbs loops; default: 1.0, off)")
+    decoding.add_argument("--seed", type=int, metavar="S", help="seed for sampling")
+    decoding.add_argument("--stop", action="append", default=[], metavar="STRING",
+                          help="end a prompt's generation once its text contains STRING, which is not printed "
+                               "(repeatable); generation also ends at the model's end-of-text tokens")
+
+    cache = gen.add_argument_group("cache")
+    cache.add_argument("--policy", default="dense",
+                       help="cache policy, optionally with a storage: h2o, h2o:int4 (see `kvcache policies`; "
+                            "default: dense)")
+    cache.add_argument("--cache-length", type=cache_length_arg, metavar="N|FRACTION",
+                       help="cache slots per layer: a token count (300), or a fraction of the longest prompt with a "
+                            "decimal point (0.25; 1.0 is the whole prompt). Default: longest prompt + max new tokens")
+    cache.add_argument("--allocation", default="uniform", choices=("uniform", "pyramid"),
+                       help="how an evicting policy's budget is spread over layers (default: uniform)")
+    cache.add_argument("--reserve", type=_int_at_least(0), default=0, metavar="N",
+                       help="h2o, tova, snapkv: an overflowing cache keeps cache-length - N tokens, then grows by N "
+                            "without evicting (e.g. compress the prompt once, then generate N tokens; default: 0)")
+    cache.add_argument("--prefill-chunk", type=_int_at_least(1), default=DEFAULT_PREFILL_CHUNK, metavar="N",
+                       help=f"prompt tokens per forward pass (default: {DEFAULT_PREFILL_CHUNK})")
+    _add_policy_options(gen)
+
+
+def _add_eval(commands) -> None:
+    ev = commands.add_parser("eval", help="quality of policies against dense (perplexity, agreement, passkey)")
+    ev.add_argument("--model", metavar="DIR", help="checkpoint directory (default: bundled)")
+    ev.add_argument("--texts", metavar="DIR",
+                    help="held-out .txt files for streaming and passkey filler (default: the ones packaged in "
+                         "kvcache/data/texts)")
+    ev.add_argument("--policies", type=_list(str), help="comma-separated (default: all)")
+    ev.add_argument("--budgets", type=_list(float), help="fractions of the context (default: 0.125,0.25,0.5)")
+    ev.add_argument("--lengths", type=_list(int), help="passkey context lengths (default: 512,1024,2048)")
+    ev.add_argument("--depths", type=_list(float), help="needle depths in [0, 1] (default: 0,0.25,0.5,0.75,1)")
+    ev.add_argument("--trials", type=_int_at_least(1), help="passkeys per cell (default: 4)")
+    ev.add_argument("--stream-tokens", type=_int_at_least(2), help="held-out tokens for streaming (default: 2048)")
+    ev.add_argument("--out", default=DEFAULT_EVAL_OUT, metavar="DIR",
+                    help=f"where report.json, report.md and the PNG plots go (default: ./{DEFAULT_EVAL_OUT})")
+    ev.add_argument("--no-plots", action="store_true", help="write the JSON and Markdown reports only (no matplotlib)")
+    ev.add_argument("--threads", type=_int_at_least(1), metavar="N", help=THREADS_HELP)
+    ev.add_argument("--quick", action="store_true", help="a smoke run of well under a minute")
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcache", description="KV caching for decoder-only language models.")
+    parser.add_argument("--version", action="version", version=f"kvcache {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-
-    gen = commands.add_parser("generate", help="continue a prompt, streaming the text to stdout")
-    gen.add_argument("prompt", help="prompt text, or - to read it from stdin")
-    gen.add_argument("--model", metavar="DIR", help="Hugging Face-format checkpoint directory (default: bundled)")
-    gen.add_argument("--policy", default="dense",
-                     help="cache policy, optionally with a storage: h2o, h2o:int4 (see `kvcache policies`; default: dense)")
-    gen.add_argument(
-        "--cache-length", type=_budget, metavar="N",
-        help="cache slots per layer, or a fraction of the prompt such as 0.25 (default: prompt + new tokens)",
-    )
-    gen.add_argument(
-        "--allocation", default="uniform", choices=("uniform", "pyramid"),
-        help="how the budget is spread over layers (default: uniform)",
-    )
-    gen.add_argument(
-        "--reserve", type=int, default=0, metavar="N",
-        help="h2o, tova, snapkv: an overflowing cache keeps cache-length - N tokens, then grows by N "
-             "without evicting (e.g. compress the prompt once, then generate N tokens; default: 0)",
-    )
-    _add_policy_options(gen)
-    gen.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="default: 128")
-    gen.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 is greedy (default)")
-    gen.add_argument("--top-k", type=int, metavar="K")
-    gen.add_argument("--top-p", type=float, metavar="P")
-    gen.add_argument("--seed", type=int, metavar="S")
-    gen.add_argument(
-        "--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, metavar="N",
-        help=f"prompt tokens per forward pass (default: {DEFAULT_PREFILL_CHUNK})",
-    )
-    gen.add_argument("--dtype", choices=DTYPES, help="default: float32 on CPU, the checkpoint's elsewhere")
-    gen.add_argument("--device", type=_device, default="cpu", help="e.g. cpu, cuda, cuda:1 (default: cpu)")
-
-    ev = commands.add_parser("eval", help="quality of policies against dense (perplexity, agreement, passkey)")
-    ev.add_argument("--model", metavar="DIR", help="checkpoint directory (default: bundled)")
-    ev.add_argument("--texts", metavar="DIR",
-                    help="held-out .txt files for streaming and passkey filler (default: the packaged kvcache/data/texts)")
-    ev.add_argument("--policies", type=_names, help="comma-separated (default: all)")
-    ev.add_argument("--budgets", type=_floats, help="fractions of the context (default: 0.125,0.25,0.5)")
-    ev.add_argument("--lengths", type=_ints, help="passkey context lengths (default: 512,1024,2048)")
-    ev.add_argument("--depths", type=_floats, help="needle depths in [0, 1] (default: 0,0.25,0.5,0.75,1)")
-    ev.add_argument("--trials", type=int, help="passkeys per cell (default: 4)")
-    ev.add_argument("--stream-tokens", type=int, help="held-out tokens for streaming (default: 2048)")
-    ev.add_argument("--out", default="results/eval", metavar="DIR", help="report.json, report.md, PNGs")
-    ev.add_argument("--quick", action="store_true", help="a smoke run of well under a minute")
-
-    commands.add_parser("policies", help="list the cache policies and storages")
+    _add_generate(commands)
+    _add_eval(commands)
+    commands.add_parser("policies", help="list the cache policies, their options and the storages")
     return parser
+
+
+# --- kvcache generate ---
 
 
 def _human_bytes(n: int) -> str:
@@ -200,37 +292,117 @@ def _human_bytes(n: int) -> str:
     return f"{n:.1f} TiB"
 
 
+def _per_second(tokens: int, seconds: float) -> float | None:
+    return tokens / seconds if tokens > 0 and seconds > 0 else None
+
+
 def _rate(tokens: int, seconds: float) -> str:
-    return f"{tokens / seconds:.1f} tok/s" if tokens > 0 and seconds > 0 else "n/a"
+    rate = _per_second(tokens, seconds)
+    return "n/a" if rate is None else f"{rate:.1f} tok/s"
+
+
+def _read_prompts(args: argparse.Namespace) -> list[str]:
+    if args.prompts_file is not None:
+        if args.prompt is not None:
+            raise ValueError("give a PROMPT or --prompts-file FILE, not both")
+        try:
+            text = sys.stdin.read() if args.prompts_file == "-" else Path(args.prompts_file).read_text()
+        except OSError as e:
+            raise ValueError(f"cannot read --prompts-file {args.prompts_file}: {e.strerror}") from None
+        prompts = [line for line in text.splitlines() if line.strip()]
+        if not prompts:
+            raise ValueError(f"--prompts-file {args.prompts_file} has no prompts (one per line; blank lines are skipped)")
+        return prompts
+    if args.prompt is None:
+        raise ValueError("give a PROMPT (- reads it from stdin) or --prompts-file FILE")
+    return [sys.stdin.read() if args.prompt == "-" else args.prompt]
+
+
+def _encode(tokenizer: Tokenizer, prompt: str, args: argparse.Namespace) -> list[int]:
+    if not args.chat and args.system is None:
+        return tokenizer.encode(prompt)
+    messages = [{"role": "system", "content": args.system}] if args.system is not None else []
+    messages.append({"role": "user", "content": prompt})
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
+
+def _decoding(args: argparse.Namespace, defaults: dict) -> dict:
+    """Decoding settings: a flag wins, then the checkpoint's generation_config.json, then the
+    built-in defaults. The checkpoint's top_k and top_p go with its sampling only."""
+    temperature = args.temperature if args.temperature is not None else defaults.get("temperature", 0.0)
+    if temperature == 0 and (args.top_k is not None or args.top_p is not None):
+        raise ValueError("--top-k and --top-p filter sampling, so they need --temperature > 0 (the default, 0, is greedy)")
+    sampling = temperature > 0
+    return {
+        "temperature": temperature,
+        "top_k": args.top_k if args.top_k is not None else defaults.get("top_k") if sampling else None,
+        "top_p": args.top_p if args.top_p is not None else defaults.get("top_p") if sampling else None,
+        "repetition_penalty": args.repetition_penalty if args.repetition_penalty is not None
+        else defaults.get("repetition_penalty", 1.0),
+        "max_new_tokens": args.max_new_tokens if args.max_new_tokens is not None
+        else defaults.get("max_new_tokens", DEFAULT_MAX_NEW_TOKENS),
+    }
+
+
+def _stop_tokens(model, tokenizer: Tokenizer, defaults: dict) -> list[int]:
+    """End-of-text tokens from the model config, the tokenizer and generation_config.json: any of
+    them ends a row (chat checkpoints often name their end-of-turn token in only one place)."""
+    stops: set[int] = set()
+    for eos in (model.config.eos_token_id, tokenizer.eos_token_id, defaults.get("eos_token_id")):
+        stops.update([eos] if isinstance(eos, int) else eos or [])
+    return sorted(stops)
+
+
+class Clock:
+    """Host timestamps of a generation: its start, and each row's first and last new token.
+
+    The first token of every row comes out of the prefill pass; each later one costs one decode
+    step (plus detokenising and printing, small next to a real model's forward). Reading a
+    sampled token back to the host waits for the device, so these are honest on a GPU too.
+    """
+
+    def __init__(self, rows: int) -> None:
+        self.start = time.perf_counter()
+        self.first: list[float | None] = [None] * rows
+        self.last: list[float | None] = [None] * rows
+
+    def token(self, row: int) -> None:
+        now = time.perf_counter()
+        if self.first[row] is None:
+            self.first[row] = now
+        self.last[row] = now
+
+    def prefill_s(self, end: float) -> float:
+        firsts = [t for t in self.first if t is not None]
+        return (min(firsts) if firsts else end) - self.start
+
+    def decode_s(self, row: int) -> float:
+        return 0.0 if self.first[row] is None else self.last[row] - self.first[row]
 
 
 def _generate(args: argparse.Namespace) -> None:
-    if args.max_new_tokens < 0:
-        raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    _set_threads(args.threads)
+    prompts = _read_prompts(args)
     tokenizer = load_tokenizer(args.model)
+    defaults = generation_config(args.model)
+    decoding = _decoding(args, defaults)
+    max_new = decoding.pop("max_new_tokens")
+    ids = [_encode(tokenizer, p, args) for p in prompts]
     model = load(args.model, dtype=_dtype(args.dtype, args.device), device=args.device)
-    ids = tokenizer.encode(prompt)
-    cache_length = len(ids) + args.max_new_tokens if args.cache_length is None else args.cache_length
+    longest = max(map(len, ids))
+    cache_length = longest + max_new if args.cache_length is None else args.cache_length
     options = {k[4:]: v for k, v in vars(args).items() if k.startswith("opt_") and v is not None}
     # Built here rather than inside generate() so its memory can be reported afterwards.
     cache = make_cache(
-        model, args.policy, cache_length=cache_length, prompt_length=len(ids),
+        model, args.policy, cache_length=cache_length, batch_size=len(ids), prompt_length=longest,
         allocation=args.allocation, reserve=args.reserve, **options,
     )
-
-    # The tokenizer may name an end-of-text token the model config does not; stop at either.
-    eos = model.config.eos_token_id
-    stops = set([eos] if isinstance(eos, int) else eos or [])
-    if tokenizer.eos_token_id is not None:
-        stops.add(tokenizer.eos_token_id)
-
-    stream = TextStream(tokenizer, sys.stdout)
-    bar = tqdm(
-        total=len(ids), desc="prefill", unit="tok", leave=False, file=sys.stderr,
-        disable=len(ids) <= args.prefill_chunk or not sys.stderr.isatty(),
-    )
-    token_times: list[float] = []
+    stop_strings = tuple(args.stop)
+    # One prompt as text streams as it is made; a batch's rows are printed one after another at the end.
+    stream = TextStream(tokenizer, sys.stdout, stop_strings) if len(ids) == 1 and not args.json else None
+    total = sum(map(len, ids))
+    bar = tqdm(total=total, desc="prefill", unit="tok", leave=False, file=sys.stderr,
+               disable=args.quiet or longest <= args.prefill_chunk or not sys.stderr.isatty())
 
     def on_prefill(done: int, total: int) -> None:
         bar.update(done - bar.n)
@@ -238,36 +410,137 @@ def _generate(args: argparse.Namespace) -> None:
             bar.close()  # before the first token is printed, so the text starts on a clean line
 
     def on_token(row: int, token: int) -> None:
-        token_times.append(time.perf_counter())
-        stream.push(token)
+        clock.token(row)
+        if stream is not None:
+            stream.push(token)
 
-    start = time.perf_counter()
+    failure = None
+    clock = Clock(len(ids))
     try:
         new = generate(
-            model, ids, max_new_tokens=args.max_new_tokens, cache=cache, temperature=args.temperature,
-            top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_tokens=sorted(stops),
-            prefill_chunk=args.prefill_chunk, on_token=on_token, on_prefill=on_prefill,
+            model, ids, max_new_tokens=max_new, cache=cache, seed=args.seed, stop_tokens=_stop_tokens(model, tokenizer, defaults),
+            stop_strings=stop_strings or None, tokenizer=tokenizer, prefill_chunk=args.prefill_chunk,
+            on_token=on_token, on_prefill=on_prefill, **decoding,
         )
+    except GenerationError as e:
+        new, failure = e.tokens, e  # print what was made, then report the error
     finally:
         bar.close()
     if model.embed_tokens.weight.is_cuda:
         torch.cuda.synchronize()  # with no new tokens nothing has waited for the prefill kernels
     end = time.perf_counter()
-    stream.finish()
-    sys.stdout.write("\n")
-    sys.stdout.flush()
 
-    # The first token comes out of the prefill pass; each later one costs one decode step (plus
-    # detokenising and printing, small next to a real model's forward). Reading a sampled token
-    # back to the host waits for the device, so these host timestamps are honest on a GPU too.
-    prefill_end = token_times[0] if token_times else end
-    decode_time = token_times[-1] - token_times[0] if token_times else 0.0
+    texts = [truncate_at_stop(tokenizer.decode(row), stop_strings) for row in new]
+    if args.json:
+        _print_json(prompts, ids, new, texts, clock, end, cache.nbytes(), failure)
+    elif stream is not None:
+        stream.finish()
+        sys.stdout.write("\n")
+    else:
+        for i, text in enumerate(texts):
+            if i:
+                sys.stdout.write("\n")
+            sys.stdout.write(f"==> prompt {i + 1} of {len(texts)} <==\n{text}\n")
+    sys.stdout.flush()
+    if failure is not None:
+        raise failure
+    if not args.quiet:
+        _print_summary(ids, new, clock, end, cache)
+
+
+def _print_json(prompts, ids, new, texts, clock: Clock, end: float, cache_bytes: int, failure) -> None:
+    prefill_s = clock.prefill_s(end)
+    prefill_rate = _per_second(sum(map(len, ids)), prefill_s)
+    for i, prompt in enumerate(prompts):
+        decode_s = clock.decode_s(i)
+        record = {
+            "prompt": prompt,
+            "prompt_tokens": len(ids[i]),
+            "tokens": new[i],
+            "text": texts[i],
+            "prefill_s": prefill_s,
+            "decode_s": decode_s,
+            "prefill_tok_s": prefill_rate,
+            "decode_tok_s": _per_second(len(new[i]) - 1, decode_s),
+            "cache_bytes": cache_bytes,
+        }
+        if failure is not None:
+            record["error"] = str(failure)
+        sys.stdout.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
+def _print_summary(ids, new, clock: Clock, end: float, cache) -> None:
+    # Decode steps produce each row's tokens after its first; rows that stopped early stop counting.
+    decoded = sum(max(len(row) - 1, 0) for row in new)
+    decode_s = max((clock.last[i] for i in range(len(new)) if clock.last[i] is not None), default=end) - (
+        min((t for t in clock.first if t is not None), default=end))
+    batch = f"prompts: {len(ids)} | " if len(ids) > 1 else ""
     print(
-        f"prompt tokens: {len(ids)} | new tokens: {len(new)} | "
-        f"prefill: {_rate(len(ids), prefill_end - start)} | decode: {_rate(len(new) - 1, decode_time)} | "
+        f"{batch}prompt tokens: {sum(map(len, ids))} | new tokens: {sum(map(len, new))} | "
+        f"prefill: {_rate(sum(map(len, ids)), clock.prefill_s(end))} | decode: {_rate(decoded, decode_s)} | "
         f"cache memory: {_human_bytes(cache.nbytes())} ({cache.policy}, {cache.cache_length} slots)",
         file=sys.stderr,
     )
+
+
+# --- kvcache eval ---
+
+
+def _require_matplotlib() -> None:
+    """Fail before the grid runs, not after, if the plots cannot be drawn."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise KVCacheError(
+            "kvcache eval draws its plots with matplotlib, which is not installed: pip install 'kvcache[eval]' "
+            "(or pass --no-plots for the JSON and Markdown reports only)"
+        ) from None
+
+
+def _eval(args: argparse.Namespace) -> None:
+    from .evaluate import Grid, evaluate, markdown
+    from .tasks import read_texts
+
+    _set_threads(args.threads)
+    if not args.no_plots:
+        _require_matplotlib()
+    grid = Grid()
+    if args.quick:
+        grid = Grid(policies=["dense", "window", "sink", "h2o"], budgets=[0.25], lengths=[256],
+                    depths=[0.0, 0.5, 1.0], trials=1, stream_tokens=256)
+    overrides = {k: getattr(args, k) for k in ("policies", "budgets", "lengths", "depths", "trials",
+                                               "stream_tokens") if getattr(args, k) is not None}
+    grid = Grid(**{**grid.__dict__, **overrides})
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"kvcache eval: writing the report to {out}/ (--out DIR to change)", file=sys.stderr)
+    tokenizer = load_tokenizer(args.model)
+    model = load(args.model, dtype=torch.float32)
+    stream = read_texts(args.texts, tokenizer)
+    report = evaluate(model, tokenizer, stream, stream, grid, progress=sys.stderr.isatty())
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    table = markdown(report)
+    (out / "report.md").write_text(table)
+    written = ["report.json", "report.md"]
+    if not args.no_plots:
+        from . import plots
+
+        plots.quality_vs_budget(report, out / "quality_vs_budget.png")
+        plots.passkey_heatmaps(report, out / "passkey_heatmap.png", budget=min(grid.budgets))
+        written += ["quality_vs_budget.png", "passkey_heatmap.png"]
+    print(table, end="")
+    print(f"wrote {out}/: {', '.join(written)}", file=sys.stderr)
+
+
+# --- kvcache policies ---
+
+
+def _option_usage(info) -> str:
+    flag = "--" + info.name.replace("_", "-")
+    if info.type is bool:
+        return f"{flag}/--no-{flag[2:]} (default: {_flag_value(info)})"
+    value = "{" + ",".join(info.choices) + "}" if info.choices else {int: "N", float: "X"}.get(info.type, "VALUE")
+    return f"{flag} {value} (default: {info.default})"
 
 
 def _policies() -> None:
@@ -275,9 +548,8 @@ def _policies() -> None:
     width = max(map(len, table))
     for name, description in table.items():
         print(f"{name:<{width}}  {description}")
-        options = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in policy_options(name).items())
-        if options:
-            print(f"{'':<{width}}  options: {options}")
+        for info in option_info(name):
+            print(f"{'':<{width}}    {_option_usage(info)}  {info.help}")
     print("\nstorages (name a cache policy:storage, e.g. h2o:int4; default full):")
     for name, description in storages().items():
         print(f"{name:<{width}}  {description}")

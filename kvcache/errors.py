@@ -11,3 +11,15 @@ class CheckpointError(KVCacheError):
 
 class CapacityError(KVCacheError):
     """A chunk would not fit into a cache that cannot evict."""
+
+
+class GenerationError(KVCacheError):
+    """Generation failed after it had produced tokens.
+
+    ``tokens`` holds the new tokens made so far, in the shape ``generate`` returns (one list per
+    prompt, or a single list for a single prompt); ``__cause__`` is the error that stopped it.
+    """
+
+    def __init__(self, message: str, tokens: list) -> None:
+        super().__init__(message)
+        self.tokens = tokens

@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Callable, Mapping, Sequence
 
 import torch
 
 from .cache.base import KVCache
 from .cache.registry import make_cache
+from .errors import CapacityError, GenerationError
 from .model import Transformer
 
 # on_token(row, token): called for every new token of every row still generating.
 TokenCallback = Callable[[int, int], None]
 # on_prefill(done, total): called after each prefill chunk with prompt tokens processed so far.
 ProgressCallback = Callable[[int, int], None]
+
+# Prompt tokens per forward pass during prefill, for ``generate`` and ``kvcache generate`` alike:
+# small enough that a progress bar moves on a long prompt and that a chunk's activations stay
+# small, large enough that per-chunk overhead is negligible next to the matmuls.
+DEFAULT_PREFILL_CHUNK = 512
 
 
 def sample(
@@ -41,25 +49,135 @@ def sample(
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def _validate(prompts, max_new_tokens, temperature, top_k, top_p, prefill_chunk, vocab_size) -> None:
-    if not prompts:
+def penalize_repetition(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """CTRL's repetition penalty (Keskar et al., 2019), as transformers applies it.
+
+    logits: (B, vocab); seen: (B, vocab) bool, True for tokens already in a row's prompt or
+    output. A seen token's logit is divided by ``penalty`` if positive and multiplied by it if
+    negative, so a penalty > 1 always makes it less likely. Returns new (B, vocab) logits.
+    """
+    scaled = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, scaled, logits)
+
+
+def truncate_at_stop(text: str, stop_strings: Sequence[str]) -> str:
+    """``text`` up to the first occurrence of any of ``stop_strings`` (all of it if none occurs)."""
+    found = [i for s in stop_strings if (i := text.find(s)) >= 0]
+    return text[: min(found)] if found else text
+
+
+def _is_token(value: object) -> bool:
+    # bool is an int to Python, but True in a prompt is a mistake, not token 1.
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _row(i: int, prompt: object) -> list[int]:
+    """One prompt as a list of ints; raises ValueError for text, floats and bools."""
+    if hasattr(prompt, "__array__") and not isinstance(prompt, torch.Tensor):
+        prompt = torch.as_tensor(prompt)  # a NumPy array
+    if isinstance(prompt, (str, bytes)):
+        raise ValueError(f"prompts must be token ids (use tokenizer.encode), but prompt {i} is text: {prompt[:40]!r}")
+    if isinstance(prompt, torch.Tensor):
+        if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
+            raise ValueError(f"prompt {i} must hold integer token ids, got a {prompt.dtype} tensor")
+        if prompt.dim() != 1:
+            raise ValueError(f"prompt {i} must be 1-D, got a tensor of shape {tuple(prompt.shape)}")
+        return prompt.tolist()
+    if not isinstance(prompt, Sequence):
+        raise ValueError(f"prompt {i} must be a list of token ids, got {type(prompt).__name__}")
+    bad = [t for t in prompt if not _is_token(t)]
+    if bad:
+        raise ValueError(
+            f"prompt {i} must hold int token ids, got {bad[0]!r} ({type(bad[0]).__name__}); "
+            "token ids are not rounded or cast (use tokenizer.encode for text)"
+        )
+    return [int(t) for t in prompt]
+
+
+def _as_rows(prompts: object) -> tuple[list[list[int]], bool]:
+    """(rows, single): the prompts as lists of ints, and whether a single prompt was given."""
+    if isinstance(prompts, (str, bytes)):
+        raise ValueError("prompts must be token ids (use tokenizer.encode), not text")
+    if hasattr(prompts, "__array__") and not isinstance(prompts, torch.Tensor):
+        prompts = torch.as_tensor(prompts)  # a NumPy array
+    if isinstance(prompts, torch.Tensor):
+        if prompts.dim() == 1:
+            return [_row(0, prompts)], True
+        if prompts.dim() == 2:
+            return [_row(i, p) for i, p in enumerate(prompts)], False
+        raise ValueError(f"a prompt tensor must be 1-D (one prompt) or 2-D (a batch), got shape {tuple(prompts.shape)}")
+    if not isinstance(prompts, Sequence):
+        raise ValueError(
+            f"prompts must be a list of token ids, a list of such lists, or a tensor; got {type(prompts).__name__}"
+        )
+    if len(prompts) == 0:
         raise ValueError("prompts is empty; pass at least one prompt")
-    for i, p in enumerate(prompts):
+    if _is_token(prompts[0]):
+        return [_row(0, prompts)], True
+    return [_row(i, p) for i, p in enumerate(prompts)], False
+
+
+def _check_int(name: str, value: object, low: int) -> None:
+    if not _is_token(value) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+
+
+def _check_number(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+
+
+def _validate(rows, max_new_tokens, temperature, top_k, top_p, repetition_penalty, prefill_chunk,
+              vocab_size) -> None:
+    for i, p in enumerate(rows):
         if len(p) == 0:
             raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
         bad = [t for t in p if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"prompt {i} has token ids outside [0, {vocab_size}): {bad[:5]}")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    _check_int("max_new_tokens", max_new_tokens, 0)
+    _check_number("temperature", temperature)
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if top_k is not None and top_k <= 0:
-        raise ValueError(f"top_k must be positive, got {top_k}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
-    if prefill_chunk is not None and prefill_chunk <= 0:
-        raise ValueError(f"prefill_chunk must be positive, got {prefill_chunk}")
+    if top_k is not None:
+        _check_int("top_k", top_k, 1)
+    if top_p is not None:
+        _check_number("top_p", top_p)
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
+    if temperature == 0 and (top_k is not None or top_p is not None):
+        raise ValueError(
+            "top_k and top_p filter sampling, so they need temperature > 0; temperature 0 (the default) is greedy"
+        )
+    _check_number("repetition_penalty", repetition_penalty)
+    if repetition_penalty <= 0:
+        raise ValueError(f"repetition_penalty must be > 0 (1.0 is off), got {repetition_penalty}")
+    if prefill_chunk is not None:
+        _check_int("prefill_chunk", prefill_chunk, 1)
+
+
+def _stop_strings(stop_strings: str | Sequence[str] | None, tokenizer: object) -> tuple[str, ...]:
+    if stop_strings is None:
+        return ()
+    strings = (stop_strings,) if isinstance(stop_strings, str) else tuple(stop_strings)
+    if not all(isinstance(s, str) and s for s in strings):
+        raise ValueError(f"stop_strings must be non-empty strings, got {strings!r}")
+    if strings and tokenizer is None:
+        raise ValueError("stop_strings need tokenizer= (a kvcache.Tokenizer) to read the generated text")
+    return strings
+
+
+def _check_capacity(cache: KVCache, longest: int, max_new_tokens: int) -> None:
+    """Raise CapacityError now, not after tokens have been produced, if a cache that cannot evict
+    is too small. The last new token is sampled but never fed back, hence the - 1."""
+    capacity = cache.max_tokens
+    need = longest + max(max_new_tokens - 1, 0)
+    if capacity is not None and need > capacity:
+        raise CapacityError(
+            f"the {cache.policy} cache holds at most {capacity} tokens per row, but the longest prompt "
+            f"({longest} tokens) and max_new_tokens={max_new_tokens} need {need} (prompt + max_new_tokens - 1). "
+            f"Make the cache with cache_length >= {need}, lower max_new_tokens, or use an evicting policy."
+        )
 
 
 @torch.inference_mode()
@@ -75,32 +193,68 @@ def generate(
     temperature: float = 0.0,
     top_k: int | None = None,
     top_p: float | None = None,
+    repetition_penalty: float = 1.0,
     seed: int | None = None,
     stop_tokens: Sequence[int] | None = None,
-    prefill_chunk: int | None = None,
+    stop_strings: str | Sequence[str] | None = None,
+    tokenizer: object | None = None,
+    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
     on_token: TokenCallback | None = None,
     on_prefill: ProgressCallback | None = None,
 ) -> list[list[int]] | list[int]:
-    """Generate up to ``max_new_tokens`` tokens after each prompt.
+    """Generate up to ``max_new_tokens`` tokens after each prompt; returns the new tokens.
 
-    ``prompts`` is a list of token-id lists of any lengths (one batch), or a single list / 1-D
-    tensor. Returns the new tokens of each prompt (a single list for a single prompt); a row that
-    produces a stop token ends there, the stop token included. ``stop_tokens`` defaults to the
-    model's ``eos_token_id``; pass ``()`` to generate exactly ``max_new_tokens``.
+    Prompts and output:
+        prompts: token ids (``tokenizer.encode(text)``), never text: a list of ints or a 1-D
+            tensor (one prompt; a single list is returned), or a list of such lists or a 2-D
+            tensor (a batch, ragged lists allowed; one list per prompt is returned). Ids must
+            be ints in [0, vocab_size); floats and bools are rejected, not cast.
+        max_new_tokens: the most new tokens per prompt (an int >= 0).
 
-    The cache is made with ``policy``, its ``policy_options`` and ``cache_length`` (default:
-    longest prompt plus ``max_new_tokens``; a float in (0, 1) is a fraction of the longest
-    prompt), or passed ready-made as ``cache`` (it is reset first). Prompts are
-    prefilled ``prefill_chunk`` tokens at a time (default: all at once).
+    The cache:
+        policy, cache_length, policy_options: how the cache is made when ``cache`` is None.
+            ``cache_length`` is a token count, or a float in (0, 1] that is a share of the
+            longest prompt (1.0: the whole prompt); default: longest prompt + max_new_tokens.
+            ``policy_options`` are the policy's own options (``kvcache.policy_options``).
+        cache: a ready cache (``kvcache.make_cache``) with one row per prompt, used instead;
+            it is reset first and holds the final state afterwards.
+        A cache that cannot evict (dense) must hold the longest prompt + max_new_tokens - 1
+        tokens; if it cannot, ``CapacityError`` is raised before anything runs.
+
+    Decoding (greedy by default):
+        temperature: 0 is greedy (argmax); > 0 samples from softmax(logits / temperature).
+        top_k: sample among the k most likely tokens only. Needs temperature > 0.
+        top_p: sample among the most likely tokens whose probabilities first reach top_p
+            (nucleus sampling). Needs temperature > 0.
+        repetition_penalty: CTRL's penalty on every token already in a row's prompt or output:
+            its logit is divided by the penalty if positive, multiplied by it if negative, before
+            temperature and filtering. 1.0 (the default) is off; 1.1-1.3 curbs loops.
+        seed: seeds the sampling generator, for reproducible samples.
+
+    Stopping (each row on its own; the other rows go on):
+        stop_tokens: a row ends at any of these tokens, which is kept as its last token.
+            Default: the model config's ``eos_token_id``; ``()`` generates max_new_tokens.
+        stop_strings: a row ends once its generated text (``tokenizer.decode``) contains any of
+            these strings; the token that completes it is kept, so cut the text with
+            ``truncate_at_stop``. Needs ``tokenizer``.
+
+    Prefill and callbacks:
+        prefill_chunk: prompt tokens per forward pass (default ``DEFAULT_PREFILL_CHUNK``, 512);
+            None processes each prompt in one pass. Dense and window/sink caches give the same
+            tokens for any chunking; h2o, tova and snapkv decide what to evict per chunk.
+        on_token(row, token): called with each new token of each row as soon as it is sampled.
+        on_prefill(done, total): called after each prefill chunk with the prompt tokens
+            processed so far, over all rows, and the total.
+
+    Errors: ``ValueError`` for bad arguments (before anything runs), ``CapacityError`` as above.
+    An error raised after the first new token (an exception from a callback, running out of
+    memory) is raised as ``GenerationError``, whose ``tokens`` holds the tokens made so far (in
+    the shape this function returns) and whose ``__cause__`` is the original error.
     """
-    single = isinstance(prompts, torch.Tensor) and prompts.dim() == 1 or (
-        len(prompts) > 0 and isinstance(prompts[0], int)
-    )
-    if isinstance(prompts, torch.Tensor):
-        prompts = prompts.tolist()
-    rows = [list(prompts)] if single else [list(p) for p in prompts]
+    rows, single = _as_rows(prompts)
     cfg = model.config
-    _validate(rows, max_new_tokens, temperature, top_k, top_p, prefill_chunk, cfg.vocab_size)
+    _validate(rows, max_new_tokens, temperature, top_k, top_p, repetition_penalty, prefill_chunk, cfg.vocab_size)
+    strings = _stop_strings(stop_strings, tokenizer)
     if stop_tokens is None:
         eos = cfg.eos_token_id
         stop_tokens = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
@@ -113,13 +267,18 @@ def generate(
         cache = make_cache(
             model,
             policy,
-            cache_length=cache_length or longest + max_new_tokens,
+            cache_length=longest + max_new_tokens if cache_length is None else cache_length,
             batch_size=B,
             prompt_length=longest,
             **(policy_options or {}),
         )
+    elif cache_length is not None or policy_options is not None or policy != "dense":
+        raise ValueError("pass either cache= or policy/cache_length/policy_options (they make a cache), not both")
     elif cache.batch_size != B:
         raise ValueError(f"the cache was made for batch_size={cache.batch_size}, but there are {B} prompts")
+    _check_capacity(cache, longest, max_new_tokens)
+    # Up front rather than when the decode loop gets there; the model warns once, so not again then.
+    model._warn_past_max_positions(longest + max(max_new_tokens - 1, 0))
     cache.reset()
     device = model.embed_tokens.weight.device
     generator = None
@@ -143,21 +302,42 @@ def generate(
         if on_prefill is not None:
             on_prefill(int(lengths_t.clamp(max=begin + chunk).sum()), sum(lengths))
 
+    # seen[b, t]: token t is in row b's prompt or output (for the repetition penalty only).
+    seen = None
+    if repetition_penalty != 1.0:
+        seen = torch.zeros(B, cfg.vocab_size, dtype=torch.bool, device=device)
+        for b, p in enumerate(rows):
+            seen[b, padded[b, : len(p)]] = True
+    every_row = torch.arange(B, device=device)
+
     out: list[list[int]] = [[] for _ in range(B)]
     done = [False] * B
-    for i in range(max_new_tokens):
-        tokens = sample(next_logits, temperature, top_k, top_p, generator)
-        host = tokens.tolist()
-        for b in range(B):
-            if done[b]:
-                continue
-            out[b].append(host[b])
-            if on_token is not None:
-                on_token(b, host[b])
-            if host[b] in stops:
-                done[b] = True
-        if all(done) or i == max_new_tokens - 1:
-            break
-        # Finished rows keep stepping (their tokens are discarded) so every step has the same shape.
-        next_logits = model(tokens[:, None], cache)[:, -1]
+    try:
+        for i in range(max_new_tokens):
+            logits = next_logits if seen is None else penalize_repetition(next_logits, seen, repetition_penalty)
+            tokens = sample(logits, temperature, top_k, top_p, generator)
+            host = tokens.tolist()
+            for b in range(B):
+                if done[b]:
+                    continue
+                out[b].append(host[b])
+                if on_token is not None:
+                    on_token(b, host[b])
+                if host[b] in stops or (strings and any(s in tokenizer.decode(out[b]) for s in strings)):
+                    done[b] = True
+            if all(done) or i == max_new_tokens - 1:
+                break
+            if seen is not None:
+                seen[every_row, tokens] = True
+            # Finished rows keep stepping (their tokens are discarded) so every step has the same shape.
+            next_logits = model(tokens[:, None], cache)[:, -1]
+    except Exception as e:
+        made = sum(map(len, out))
+        if made == 0:
+            raise
+        raise GenerationError(
+            f"generation failed after {made} new tokens ({type(e).__name__}: {e}); "
+            "the exception's .tokens holds them",
+            out[0] if single else out,
+        ) from e
     return out[0] if single else out

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import inspect
+import io
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import kvcache
-from kvcache.cli import TextStream, main
+from kvcache.cli import TextStream, _parser, cache_length_arg, main
+from kvcache.errors import GenerationError
+from kvcache.generate import DEFAULT_PREFILL_CHUNK, truncate_at_stop
+from text_checkpoint import build_text_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
@@ -16,22 +24,7 @@ PROMPT = "the cat sat on the mat"
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_llama")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    sentences = ["the cat sat on the mat", "a dog ran in the park", "caf\u00e9 cr\u00e8me br\u00fbl\u00e9e \u2603"]
-    tok.train_from_iterator(sentences * 10, trainer=trainer)
-    tok.save(str(path / "tokenizer.json"))
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-    )
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
-    return path
+    return build_text_checkpoint(tmp_path_factory.mktemp("tiny_llama") / "model")
 
 
 def test_generate_streams_the_greedy_continuation(model_dir, capsys):
@@ -151,3 +144,317 @@ def test_reserve_on_a_ring_policy_is_rejected(model_dir, capsys):
                  "--cache-length", "8", "--reserve", "2"])
     assert code == 2
     assert "reserve does not apply to the window policy" in capsys.readouterr().err
+
+
+# --- flags of `kvcache generate` ---------------------------------------------------------------
+
+
+def _api(model_dir, prompt=PROMPT, **kwargs):
+    """What the Python API makes of ``prompt`` (the reference for the CLI's output)."""
+    tokenizer = kvcache.load_tokenizer(model_dir)
+    return tokenizer, kvcache.generate(kvcache.load(model_dir), tokenizer.encode(prompt), **kwargs)
+
+
+def test_summary_on_stderr_text_on_stdout_and_quiet(model_dir, capsys):
+    assert main(["generate", PROMPT, "--model", str(model_dir), "--max-new-tokens", "4", "--quiet"]) == 0
+    out, err = capsys.readouterr()
+    tokenizer, expected = _api(model_dir, max_new_tokens=4)
+    assert out == tokenizer.decode(expected) + "\n"
+    assert err == ""
+
+
+@pytest.mark.parametrize(
+    "value,expected",
+    [("300", 300), ("1", 1), ("1.0", 1.0), ("0.25", 0.25), (".5", 0.5), ("1e-2", 0.01)],
+)
+def test_cache_length_parses_counts_and_fractions(value, expected):
+    got = cache_length_arg(value)
+    assert got == expected and type(got) is type(expected)
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-3", "300.0", "1.5", "0.0", "nan", ""])
+def test_bad_cache_length_names_the_flag_and_the_forms(value, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", PROMPT, "--cache-length", value])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --cache-length" in err
+    assert "token count" in err and "fraction" in err
+    assert "_arg" not in err and "_budget" not in err
+
+
+def test_cache_length_one_point_zero_is_the_whole_prompt(model_dir, capsys):
+    args = ["generate", PROMPT * 2, "--model", str(model_dir), "--max-new-tokens", "2",
+            "--policy", "window", "--cache-length", "1.0"]
+    assert main(args) == 0
+    n_prompt = len(kvcache.load_tokenizer(model_dir).encode(PROMPT * 2))
+    assert f"(window, {n_prompt} slots)" in capsys.readouterr().err
+
+
+def test_dense_too_small_fails_before_printing(model_dir, capsys):
+    n_prompt = len(kvcache.load_tokenizer(model_dir).encode(PROMPT))
+    args = ["generate", PROMPT, "--model", str(model_dir), "--max-new-tokens", "8",
+            "--cache-length", str(n_prompt + 3)]
+    assert main(args) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "at most" in err and "max_new_tokens" in err
+
+
+def test_threads_sets_torch_threads(model_dir, monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    assert main(["generate", PROMPT, "--model", str(model_dir), "--max-new-tokens", "1", "--threads", "1"]) == 0
+    assert calls == [1]
+    assert main(["generate", PROMPT, "--model", str(model_dir), "--max-new-tokens", "1"]) == 0
+    assert calls == [1]  # without --threads torch keeps its own default
+    with pytest.raises(SystemExit):
+        main(["generate", PROMPT, "--threads", "0"])
+    assert "--threads" in capsys.readouterr().err
+
+
+def test_top_p_without_temperature_is_an_error(model_dir, capsys):
+    assert main(["generate", PROMPT, "--model", str(model_dir), "--top-p", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "--top-p" in err and "--temperature" in err
+
+
+def test_json_gives_one_object_per_prompt(model_dir, capsys):
+    args = ["generate", PROMPT, "--model", str(model_dir), "--max-new-tokens", "5", "--json"]
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    tokenizer, expected = _api(model_dir, max_new_tokens=5)
+    [record] = [json.loads(line) for line in out.splitlines()]
+    assert record["prompt"] == PROMPT
+    assert record["prompt_tokens"] == len(tokenizer.encode(PROMPT))
+    assert record["tokens"] == expected
+    assert record["text"] == tokenizer.decode(expected)
+    assert record["prefill_s"] > 0 and record["decode_s"] >= 0 and record["prefill_tok_s"] > 0
+    assert record["cache_bytes"] > 0
+    assert "tok/s" in err  # the summary still goes to stderr
+
+
+def test_prompts_file_runs_one_ragged_batch(model_dir, tmp_path, capsys):
+    prompts = ["the cat sat", "", "a dog ran in the park and the cat sat on the mat"]
+    file = tmp_path / "prompts.txt"
+    file.write_text("\n".join(prompts) + "\n")
+    tokenizer = kvcache.load_tokenizer(model_dir)
+    kept = [p for p in prompts if p]
+    expected = kvcache.generate(kvcache.load(model_dir), [tokenizer.encode(p) for p in kept], max_new_tokens=4)
+
+    assert main(["generate", "--prompts-file", str(file), "--model", str(model_dir), "--max-new-tokens", "4"]) == 0
+    out, err = capsys.readouterr()
+    assert out == "\n".join(f"==> prompt {i + 1} of 2 <==\n{tokenizer.decode(e)}\n" for i, e in enumerate(expected))
+    assert "prompts: 2" in err
+
+    assert main(["generate", "--prompts-file", str(file), "--model", str(model_dir), "--max-new-tokens", "4",
+                 "--json", "--quiet"]) == 0
+    out, err = capsys.readouterr()
+    records = [json.loads(line) for line in out.splitlines()]
+    assert [r["prompt"] for r in records] == kept
+    assert [r["tokens"] for r in records] == expected
+    assert err == ""
+
+
+def test_prompt_and_prompts_file_are_exclusive(model_dir, tmp_path, capsys):
+    file = tmp_path / "p.txt"
+    file.write_text("x\n")
+    assert main(["generate", PROMPT, "--prompts-file", str(file), "--model", str(model_dir)]) == 2
+    assert "not both" in capsys.readouterr().err
+    assert main(["generate", "--model", str(model_dir)]) == 2
+    assert "PROMPT" in capsys.readouterr().err
+    assert main(["generate", "--prompts-file", str(tmp_path / "missing.txt")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+
+
+def _stop_string(text: str) -> str:
+    """Two printable characters that first occur a few characters into ``text``."""
+    return next(
+        text[i : i + 2] for i in range(3, len(text) - 2)
+        if text.find(text[i : i + 2]) == i and text[i : i + 2].isprintable() and "\ufffd" not in text[i : i + 2]
+    )
+
+
+def test_stop_strings_in_the_api(model_dir):
+    tokenizer, free = _api(model_dir, max_new_tokens=16, stop_tokens=())
+    text = tokenizer.decode(free)
+    stop = _stop_string(text)
+    # The row ends with the token that completes the stop string.
+    n = next(k for k in range(1, len(free) + 1) if stop in tokenizer.decode(free[:k]))
+    _, got = _api(model_dir, max_new_tokens=16, stop_tokens=(), stop_strings=[stop], tokenizer=tokenizer)
+    assert got == free[:n] and n < len(free)
+    assert truncate_at_stop(tokenizer.decode(got), [stop]) == text[: text.find(stop)]
+    with pytest.raises(ValueError, match="tokenizer"):
+        _api(model_dir, max_new_tokens=2, stop_strings=[stop])
+
+
+def test_stop_string_ends_generation_and_is_not_printed(model_dir, capsys):
+    tokenizer, free = _api(model_dir, max_new_tokens=16, stop_tokens=())
+    text = tokenizer.decode(free)
+    stop = _stop_string(text)
+    args = ["generate", PROMPT, "--model", str(model_dir), "--max-new-tokens", "16", "--stop", stop, "--stop", "\u2603\u2603"]
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    assert out == text[: text.find(stop)] + "\n"
+    new_tokens = int(err.split("new tokens: ")[1].split()[0])
+    assert new_tokens < len(free)  # generation stopped, not just the printing
+
+
+def test_text_stream_holds_back_a_possible_stop_string():
+    class Letters:
+        def decode(self, ids):
+            return "".join(chr(i) for i in ids)
+
+    chunks: list[str] = []
+
+    class Out:
+        def write(self, s: str) -> None:
+            chunks.append(s)
+
+        def flush(self) -> None:
+            pass
+
+    stream = TextStream(Letters(), Out(), stop_strings=("END",))
+    for c in "abEN":
+        stream.push(ord(c))
+    assert "".join(chunks) == "ab"  # "EN" may begin END
+    stream.push(ord("x"))
+    assert "".join(chunks) == "abENx"
+    for c in "yENDzz":
+        stream.push(ord(c))
+    stream.finish()
+    assert "".join(chunks) == "abENxy"
+
+
+def test_repetition_penalty_breaks_a_greedy_loop(model_dir, capsys):
+    _, free = _api(model_dir, max_new_tokens=16, stop_tokens=())
+    assert len(set(free[-8:])) <= 2  # this random model falls into a loop
+    tokenizer, penalized = _api(model_dir, max_new_tokens=16, stop_tokens=(), repetition_penalty=1.5)
+    assert penalized != free and len(set(penalized)) > len(set(free))
+    args = ["generate", PROMPT, "--model", str(model_dir), "--max-new-tokens", "16", "--repetition-penalty", "1.5"]
+    assert main(args) == 0
+    _, expected = _api(model_dir, max_new_tokens=16, repetition_penalty=1.5)
+    assert capsys.readouterr().out == tokenizer.decode(expected) + "\n"
+
+
+def _captured_generate(monkeypatch):
+    """Replace the CLI's generate with one that records its keyword arguments."""
+    seen: dict = {}
+
+    def fake(model, prompts, **kwargs):
+        seen.update(kwargs)
+        return [[] for _ in prompts]
+
+    monkeypatch.setattr("kvcache.cli.generate", fake)
+    return seen
+
+
+def test_generation_config_supplies_defaults_and_flags_win(tmp_path, monkeypatch, capsys):
+    config = {"do_sample": True, "temperature": 0.7, "top_k": 20, "top_p": 0.8, "repetition_penalty": 1.05,
+              "max_new_tokens": 7, "eos_token_id": [5, 6]}
+    path = build_text_checkpoint(tmp_path / "m", generation_config=config)
+    seen = _captured_generate(monkeypatch)
+    assert main(["generate", PROMPT, "--model", str(path)]) == 0
+    assert (seen["temperature"], seen["top_k"], seen["top_p"]) == (0.7, 20, 0.8)
+    assert seen["repetition_penalty"] == 1.05 and seen["max_new_tokens"] == 7
+    assert {5, 6} <= set(seen["stop_tokens"])
+
+    assert main(["generate", PROMPT, "--model", str(path), "--temperature", "1.2", "--top-k", "3",
+                 "--max-new-tokens", "2", "--repetition-penalty", "1.0"]) == 0
+    assert (seen["temperature"], seen["top_k"], seen["top_p"]) == (1.2, 3, 0.8)
+    assert seen["repetition_penalty"] == 1.0 and seen["max_new_tokens"] == 2
+
+    # An explicit --temperature 0 is greedy: the checkpoint's filters go with its sampling.
+    assert main(["generate", PROMPT, "--model", str(path), "--temperature", "0"]) == 0
+    assert (seen["temperature"], seen["top_k"], seen["top_p"]) == (0, None, None)
+
+
+def test_generation_config_without_do_sample_stays_greedy(tmp_path, monkeypatch):
+    path = build_text_checkpoint(tmp_path / "m", generation_config={"temperature": 0.6, "top_p": 0.9})
+    seen = _captured_generate(monkeypatch)
+    assert main(["generate", PROMPT, "--model", str(path)]) == 0
+    assert (seen["temperature"], seen["top_k"], seen["top_p"]) == (0.0, None, None)
+    assert seen["max_new_tokens"] == 128
+
+
+def test_error_after_tokens_prints_them_then_fails(model_dir, monkeypatch, capsys):
+    def failing(model, prompts, **kwargs):
+        raise GenerationError("generation failed after 2 new tokens (RuntimeError: boom)", [[100, 101], [102]])
+
+    monkeypatch.setattr("kvcache.cli.generate", failing)
+    tokenizer = kvcache.load_tokenizer(model_dir)
+    with_file = ["--prompts-file", "-", "--model", str(model_dir), "--json"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("a\nb\n"))
+    assert main(["generate", *with_file]) == 2
+    out, err = capsys.readouterr()
+    records = [json.loads(line) for line in out.splitlines()]
+    assert [r["tokens"] for r in records] == [[100, 101], [102]]
+    assert records[0]["text"] == tokenizer.decode([100, 101]) and "boom" in records[0]["error"]
+    assert "kvcache: error: generation failed" in err
+
+
+# --- the program -------------------------------------------------------------------------------
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"kvcache {kvcache.__version__}"
+
+
+def test_python_dash_m_kvcache():
+    run = subprocess.run([sys.executable, "-m", "kvcache", "--version"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == f"kvcache {kvcache.__version__}"
+
+
+def test_help_lists_the_valid_values(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for flag in ("--positions {absolute,renumbered}", "--fallback {window,tova}", "--pooling {avg,max}",
+                 "--normalize, --no-normalize", "--allocation {uniform,pyramid}"):
+        assert flag in out
+    assert f"(default: {DEFAULT_PREFILL_CHUNK})" in out
+
+
+def test_policies_show_the_real_flags(capsys):
+    assert main(["policies"]) == 0
+    out = capsys.readouterr().out
+    assert "--normalize/--no-normalize (default: off)" in out
+    assert "--positions {absolute,renumbered}" in out
+    assert "--normalize False" not in out
+
+
+def test_prefill_chunk_has_one_default():
+    assert inspect.signature(kvcache.generate).parameters["prefill_chunk"].default == DEFAULT_PREFILL_CHUNK
+    assert _parser().parse_args(["generate", "x"]).prefill_chunk == DEFAULT_PREFILL_CHUNK
+
+
+# --- kvcache eval ------------------------------------------------------------------------------
+
+TINY_GRID = ["--policies", "dense,window", "--budgets", "0.5", "--lengths", "48", "--depths", "0",
+             "--trials", "1", "--stream-tokens", "48"]
+
+
+def test_eval_runs_from_any_directory_with_the_packaged_texts(model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # no evaluation texts here: they come with the package
+    assert main(["eval", "--model", str(model_dir), "--no-plots", "--threads", "1", *TINY_GRID]) == 0
+    out, err = capsys.readouterr()
+    assert "| dense | 1 |" in out
+    assert err.startswith("kvcache eval: writing the report to kvcache-eval/")
+    report = json.loads((tmp_path / "kvcache-eval" / "report.json").read_text())
+    assert {s["policy"] for s in report["streaming"]} == {"dense", "window"}
+    assert not (tmp_path / "kvcache-eval" / "quality_vs_budget.png").exists()
+
+
+def test_eval_without_matplotlib_fails_before_the_grid(model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the grid ran although the plots could not be drawn")
+
+    monkeypatch.setattr("kvcache.evaluate.evaluate", must_not_run)
+    assert main(["eval", "--model", str(model_dir), "--out", str(tmp_path / "out"), *TINY_GRID]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'kvcache[eval]'" in err and "--no-plots" in err

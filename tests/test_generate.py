@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import kvcache
-from kvcache.generate import sample
+from kvcache.errors import GenerationError
+from kvcache.generate import penalize_repetition, sample
 from conftest import VOCAB, random_ids
 
 PROMPT_LENGTHS = (1, 6, 11, 4)
@@ -221,9 +222,134 @@ def test_sample_temperature_sharpens():
         ([5, 6], {"temperature": 1.0, "top_p": 0.0}, "top_p"),
         ([5, 6], {"temperature": 1.0, "top_p": 1.5}, "top_p"),
         ([5, 6], {"prefill_chunk": 0}, "prefill_chunk"),
+        ("hello", {}, r"token ids \(use tokenizer.encode\)"),
+        (["hello", "world"], {}, r"token ids \(use tokenizer.encode\)"),
+        ([5, 6.5], {}, "int token ids, got 6.5"),
+        ([[5, 6], [7.0]], {}, "prompt 1 must hold int token ids"),
+        ([5, True], {}, "got True"),
+        (torch.tensor([5.0, 6.0]), {}, "integer token ids"),
+        (torch.tensor([True, False]), {}, "integer token ids"),
+        (torch.ones(1, 2, 2, dtype=torch.long), {}, "1-D"),
+        ([5, 6], {"max_new_tokens": 1.5}, "max_new_tokens must be an int"),
+        ([5, 6], {"max_new_tokens": True}, "max_new_tokens must be an int"),
+        ([5, 6], {"cache_length": 0}, "cache_length"),
+        ([5, 6], {"top_p": 0.5}, "need temperature > 0"),
+        ([5, 6], {"top_k": 3}, "need temperature > 0"),
+        ([5, 6], {"repetition_penalty": 0.0}, "repetition_penalty"),
+        ([5, 6], {"temperature": float("nan")}, "temperature"),
+        ([5, 6], {"stop_strings": ["x"]}, "tokenizer"),
     ],
 )
 def test_bad_arguments_rejected(llama, prompts, kwargs, match):
     kwargs = {"max_new_tokens": 3, **kwargs}
     with pytest.raises(ValueError, match=match):
         kvcache.generate(llama, prompts, **kwargs)
+
+
+def test_numpy_prompts_are_token_ids(llama):
+    np = pytest.importorskip("numpy")
+    prompts = _prompts(seed=9, lengths=(4, 4))
+    ref = kvcache.generate(llama, prompts, max_new_tokens=3, stop_tokens=())
+    assert kvcache.generate(llama, np.array(prompts), max_new_tokens=3, stop_tokens=()) == ref
+    assert kvcache.generate(llama, np.array(prompts[0]), max_new_tokens=3, stop_tokens=()) == ref[0]
+
+
+def test_cache_and_cache_arguments_are_exclusive(llama):
+    cache = kvcache.make_cache(llama, cache_length=20)
+    with pytest.raises(ValueError, match="either cache= or"):
+        kvcache.generate(llama, [5, 6], max_new_tokens=2, cache=cache, cache_length=10)
+
+
+# --- failing early, and late -------------------------------------------------------------------
+
+
+def test_dense_cache_too_small_fails_before_any_work(llama):
+    prompts = _prompts(seed=10, lengths=(3, 7))
+    calls = []
+    kw = dict(max_new_tokens=6, stop_tokens=(), on_token=lambda r, t: calls.append(t),
+              on_prefill=lambda d, t: calls.append(d))
+    # The last new token is never fed back: 7 + 6 - 1 = 12 slots suffice, 11 do not.
+    cache = kvcache.make_cache(llama, cache_length=11, batch_size=2)
+    with pytest.raises(kvcache.CapacityError, match="at most 11 tokens.*need 12"):
+        kvcache.generate(llama, prompts, cache=cache, **kw)
+    assert calls == [] and cache.lengths.tolist() == [0, 0]
+    with pytest.raises(kvcache.CapacityError, match="need 12"):
+        kvcache.generate(llama, prompts, cache_length=11, **kw)
+    assert calls == []
+    assert len(kvcache.generate(llama, prompts, cache_length=12, **kw)[1]) == 6
+    # An evicting cache of the same size takes any length.
+    assert len(kvcache.generate(llama, prompts, policy="window", cache_length=4, max_new_tokens=6, stop_tokens=())[1]) == 6
+
+
+def test_error_after_tokens_keeps_them(llama):
+    prompts = _prompts(seed=11, lengths=(3, 5))
+    free = kvcache.generate(llama, prompts, max_new_tokens=6, stop_tokens=())
+    made = []
+
+    def on_token(row, token):
+        if len(made) == 5:
+            raise RuntimeError("the consumer went away")
+        made.append(token)
+
+    with pytest.raises(GenerationError, match="after 6 new tokens") as caught:
+        kvcache.generate(llama, prompts, max_new_tokens=6, stop_tokens=(), on_token=on_token)
+    # Tokens arrive row by row within a step; the sixth (row 1's third), whose callback raised, was
+    # made and is kept too.
+    assert caught.value.tokens == [free[0][:3], free[1][:3]]
+    assert isinstance(caught.value.__cause__, RuntimeError)
+    assert isinstance(caught.value, kvcache.KVCacheError)
+    # A single prompt gets a single list back, here as there.
+    with pytest.raises(GenerationError) as caught:
+        made.clear()
+        kvcache.generate(llama, prompts[0], max_new_tokens=6, stop_tokens=(), on_token=on_token)
+    assert caught.value.tokens == free[0][:6]
+
+
+def test_positions_past_training_warn_up_front(llama_ckpt, tmp_path):
+    path = tmp_path / "short"
+    shutil.copytree(llama_ckpt.path, path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["max_position_embeddings"] = 16
+    (path / "config.json").write_text(json.dumps(cfg))
+    model = kvcache.load(path)
+    kvcache.generate(model, random_ids(10)[0].tolist(), max_new_tokens=7, stop_tokens=())  # 16 positions: fine
+    warned_at_prefill = []
+    with pytest.warns(UserWarning, match="max_position_embeddings=16") as record:
+        kvcache.generate(model, random_ids(10)[0].tolist(), max_new_tokens=8, stop_tokens=(),
+                         on_prefill=lambda d, t: warned_at_prefill.append(len(record)))
+    assert warned_at_prefill == [1]  # before the prompt ran, not when decoding got there
+    assert len(record) == 1
+
+
+# --- repetition penalty ------------------------------------------------------------------------
+
+
+def test_penalize_repetition_is_ctrl():
+    logits = torch.tensor([[2.0, -1.0, 3.0, -4.0]])
+    seen = torch.tensor([[True, True, False, False]])
+    assert penalize_repetition(logits, seen, 2.0).tolist() == [[1.0, -2.0, 3.0, -4.0]]
+
+
+def _penalized_greedy_reference(model, prompt, n, penalty):
+    """Greedy decoding by full forwards, applying the penalty to every token seen so far."""
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(n):
+            logits = model(torch.tensor([ids]))[0, -1]
+            seen = torch.tensor(sorted(set(ids)))
+            picked = logits[seen]
+            logits[seen] = torch.where(picked > 0, picked / penalty, picked * penalty)
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt):]
+
+
+def test_repetition_penalty_is_applied_to_each_rows_tokens(llama):
+    prompt = [5, 6, 7]
+    free = kvcache.generate(llama, prompt, max_new_tokens=24, stop_tokens=())
+    got = kvcache.generate(llama, prompt, max_new_tokens=24, stop_tokens=(), repetition_penalty=1.8)
+    assert got == _penalized_greedy_reference(llama, prompt, 24, 1.8)
+    assert got != free
+    # Batched and ragged, each row penalizes its own tokens only.
+    prompts = _prompts(seed=12, lengths=(3, 8))
+    batch = kvcache.generate(llama, prompts, max_new_tokens=10, stop_tokens=(), repetition_penalty=1.8)
+    assert batch == [_penalized_greedy_reference(llama, p, 10, 1.8) for p in prompts]
