@@ -38,8 +38,17 @@ POLICIES = {
     # Batched eviction: one eviction (the chunk path) every 65 steps, appends in between.
     "h2o_reserve64": {"recent": 32, "reserve": 64},
     "tova_reserve64": {"reserve": 64},
+    "knorm": {},
+    "expected_attention": {},
+    "knorm_reserve64": {"reserve": 64},
+    "expected_attention_reserve64": {"reserve": 64},
 }
 FLOORS = {"h2o": 1.25, "tova": 1.25, "window": 1.05, "sink": 1.05, "sink_absolute": 1.05}
+
+
+def policy_of(name: str) -> str:
+    """The registered policy a row of POLICIES runs: its name up to a variant suffix."""
+    return name.removesuffix("_reserve64").removesuffix("_absolute")
 
 
 def build_model(hidden: int, layers: int, heads: int, kv_heads: int, vocab: int, max_pos: int):
@@ -61,7 +70,7 @@ def time_policies(model, cache_length: int, steps: int, repeats: int) -> dict:
     """Median decode step time per policy (see the module docstring)."""
     if steps + 1 >= cache_length:
         raise ValueError(f"steps ({steps}) must be smaller than cache_length - 1 ({cache_length - 1})")
-    caches = {name: kvcache.make_cache(model, name.split("_")[0], cache_length=cache_length, **options)
+    caches = {name: kvcache.make_cache(model, policy_of(name), cache_length=cache_length, **options)
               for name, options in POLICIES.items()}
     prompt = torch.randint(0, model.config.vocab_size, (1, cache_length))
     token = torch.randint(0, model.config.vocab_size, (1, 1))

@@ -76,6 +76,8 @@ class EvictingCache(LayerCache):
         self._stats = torch.zeros(len(self.stats), spec.batch_size, Hp, spec.cache_length + 1, device=spec.device)
         # Views by indexing (not ``unbind``, whose views autograd forbids writing in place).
         self.stat = {name: self._stats[i] for i, name in enumerate(self.stats)}
+        # A policy that does not define ``observe`` (knorm) costs nothing to observe.
+        self._observes = type(self).observe is not EvictingCache.observe
 
     # ----- what a policy defines -------------------------------------------------------------
     def window(self) -> int | None:
@@ -177,7 +179,7 @@ class EvictingCache(LayerCache):
     def _observe(self, c: Candidates, mass: torch.Tensor | None, seen: torch.Tensor | float) -> None:
         """Show the policy this call: with the attention mass it asked for, or, if it needs none,
         every call. Statistics decide what is kept; they carry no gradient."""
-        if mass is None and self.needs_attention:
+        if not self._observes or (mass is None and self.needs_attention):
             return
         self.observe(dataclasses.replace(
             c, keys=c.keys.detach(), values=c.values.detach(), queries=c.queries.detach(),

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ...rope import apply_rope, rope_angles
-from ..base import CacheSpec
+from ..base import CacheSpec, Step
 from ..candidates import Candidates
 from ..evicting import PROTECTED, EvictingCache, require_room
 from ..options import option
@@ -101,7 +101,7 @@ class ExpectedAttentionCache(EvictingCache):
         if self._sum is None:  # nothing observed yet: every query is a sink
             score = keys.new_zeros(B, Hkv, N)
         else:
-            score = self._expected(keys, pos, c.step.newest)
+            score = self._expected(keys, pos, c.step)
         if self.options.value_norm:
             score = (score + self.options.epsilon) * torch.linalg.vector_norm(values, dim=-1, dtype=torch.float32)
         protected = pos > c.newest - self.options.recent
@@ -109,7 +109,17 @@ class ExpectedAttentionCache(EvictingCache):
             protected |= pos < self.options.sinks
         return score.masked_fill(protected, PROTECTED)
 
-    def _expected(self, keys: torch.Tensor, pos: torch.Tensor, newest: torch.Tensor) -> torch.Tensor:
+    def _average_rotation(self, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (B, 1, D) of the rotation averaged over each row's next ``future`` positions;
+        the same in every layer of a call, so the first layer computes it for all."""
+        key = ("expected_attention_rotation", self.options.future)
+        if key not in step.shared:
+            ahead = step.newest[:, None] + 1 + torch.arange(self.options.future, device=step.newest.device)  # (B, F)
+            cos, sin = rope_angles(self.spec.inv_freq, ahead, torch.float32)
+            step.shared[key] = cos.mean(1, keepdim=True), sin.mean(1, keepdim=True)
+        return step.shared[key]
+
+    def _expected(self, keys: torch.Tensor, pos: torch.Tensor, step: Step) -> torch.Tensor:
         """(B, Hkv, N) expected attention of keys (B, Hkv, N, D) at positions pos (B, Hkv, N),
         normalised over each head's non-sink keys and averaged over the query heads of a group."""
         B, Hkv, N, D = keys.shape
@@ -118,8 +128,7 @@ class ExpectedAttentionCache(EvictingCache):
         mean = self._sum / n  # (B, Hq, D)
         # The average rotation over the next ``future`` positions of each row: R = diag(cos) +
         # diag(sin) P, applied to a vector x as x * cos + rotate_half(x) * sin.
-        ahead = newest[:, None] + 1 + torch.arange(self.options.future, device=keys.device)  # (B, F)
-        cos, sin = (a.mean(1, keepdim=True) for a in rope_angles(self.spec.inv_freq, ahead, torch.float32))
+        cos, sin = self._average_rotation(step)
         mean = apply_rope(mean, cos, sin)  # R mu
         G = Hq // Hkv
         logits = (keys @ mean.view(B, Hkv, G, D).transpose(-1, -2)).transpose(-1, -2) * D**-0.5  # (B, Hkv, G, N)
