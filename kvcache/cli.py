@@ -258,12 +258,12 @@ def _add_eval(commands) -> None:
     ev.add_argument("--texts", metavar="DIR",
                     help="held-out .txt files for streaming and passkey filler (default: the ones packaged in "
                          "kvcache/data/texts)")
-    ev.add_argument("--policies", type=_list(str), help="comma-separated (default: all)")
-    ev.add_argument("--budgets", type=_list(float), help="fractions of the context (default: 0.125,0.25,0.5)")
-    ev.add_argument("--lengths", type=_list(int), help="passkey context lengths (default: 512,1024,2048)")
-    ev.add_argument("--depths", type=_list(float), help="needle depths in [0, 1] (default: 0,0.25,0.5,0.75,1)")
-    ev.add_argument("--trials", type=_int_at_least(1), help="passkeys per cell (default: 4)")
-    ev.add_argument("--stream-tokens", type=_int_at_least(2), help="held-out tokens for streaming (default: 2048)")
+    ev.add_argument("--policies", type=_list(str), metavar="A,B", help="comma-separated (default: all)")
+    ev.add_argument("--budgets", type=_list(float), metavar="F,F", help="fractions of the context (default: 0.125,0.25,0.5)")
+    ev.add_argument("--lengths", type=_list(int), metavar="N,N", help="passkey context lengths (default: 512,1024,2048)")
+    ev.add_argument("--depths", type=_list(float), metavar="D,D", help="needle depths in [0, 1] (default: 0,0.25,0.5,0.75,1)")
+    ev.add_argument("--trials", type=_int_at_least(1), metavar="N", help="passkeys per cell (default: 4)")
+    ev.add_argument("--stream-tokens", type=_int_at_least(2), metavar="N", help="held-out tokens for streaming (default: 2048)")
     ev.add_argument("--out", default=DEFAULT_EVAL_OUT, metavar="DIR",
                     help=f"where report.json, report.md and the PNG plots go (default: ./{DEFAULT_EVAL_OUT})")
     ev.add_argument("--no-plots", action="store_true", help="write the JSON and Markdown reports only (no matplotlib)")

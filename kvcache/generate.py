@@ -10,6 +10,7 @@ import torch
 
 from .cache.base import KVCache
 from .cache.registry import make_cache
+from .checkpoint import Tokenizer
 from .errors import CapacityError, GenerationError
 from .model import Transformer
 
@@ -156,7 +157,7 @@ def _validate(rows, max_new_tokens, temperature, top_k, top_p, repetition_penalt
         _check_int("prefill_chunk", prefill_chunk, 1)
 
 
-def _stop_strings(stop_strings: str | Sequence[str] | None, tokenizer: object) -> tuple[str, ...]:
+def _stop_strings(stop_strings: str | Sequence[str] | None, tokenizer: Tokenizer | None) -> tuple[str, ...]:
     if stop_strings is None:
         return ()
     strings = (stop_strings,) if isinstance(stop_strings, str) else tuple(stop_strings)
@@ -197,7 +198,7 @@ def generate(
     seed: int | None = None,
     stop_tokens: Sequence[int] | None = None,
     stop_strings: str | Sequence[str] | None = None,
-    tokenizer: object | None = None,
+    tokenizer: Tokenizer | None = None,
     prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
     on_token: TokenCallback | None = None,
     on_prefill: ProgressCallback | None = None,
