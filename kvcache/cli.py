@@ -403,6 +403,7 @@ def _generate(args: argparse.Namespace) -> None:
     total = sum(map(len, ids))
     bar = tqdm(total=total, desc="prefill", unit="tok", leave=False, file=sys.stderr,
                disable=args.quiet or longest <= args.prefill_chunk or not sys.stderr.isatty())
+    clock = Clock(len(ids))
 
     def on_prefill(done: int, total: int) -> None:
         bar.update(done - bar.n)
@@ -415,7 +416,7 @@ def _generate(args: argparse.Namespace) -> None:
             stream.push(token)
 
     failure = None
-    clock = Clock(len(ids))
+    clock.start = time.perf_counter()  # timings start with the prefill, after the set-up above
     try:
         new = generate(
             model, ids, max_new_tokens=max_new, cache=cache, seed=args.seed, stop_tokens=_stop_tokens(model, tokenizer, defaults),
