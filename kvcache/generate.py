@@ -279,7 +279,7 @@ def generate(
         raise ValueError(f"the cache was made for batch_size={cache.batch_size}, but there are {B} prompts")
     _check_capacity(cache, longest, max_new_tokens)
     # Up front rather than when the decode loop gets there; the model warns once, so not again then.
-    model._warn_past_max_positions(longest + max(max_new_tokens - 1, 0))
+    model.warn_past_max_positions(longest + max(max_new_tokens - 1, 0))
     cache.reset()
     device = model.embed_tokens.weight.device
     generator = None

@@ -161,12 +161,12 @@ class Transformer(nn.Module):
             step = None
             positions = torch.arange(T, device=input_ids.device).unsqueeze(0)  # (1, T)
             last = torch.full((B,), T - 1, device=input_ids.device)
-            self._warn_past_max_positions(T)
+            self.warn_past_max_positions(T)
         else:
             step = cache.begin(input_ids, n_tokens, model=self)
             positions = step.positions  # (B, T)
             last = step.last_index
-            self._warn_past_max_positions(step.span_end)
+            self.warn_past_max_positions(step.span_end)
         cos, sin = rope_angles(self.inv_freq, positions, self.embed_tokens.weight.dtype)
         x = self.embed_tokens(input_ids)
         for i, block in enumerate(self.layers):
@@ -204,9 +204,10 @@ class Transformer(nn.Module):
                 f"{bad[:8].tolist()}{' ...' if len(bad) > 8 else ''}. Encode text with the model's own tokenizer."
             )
 
-    def _warn_past_max_positions(self, length: int) -> None:
+    def warn_past_max_positions(self, length: int) -> None:
         """Warn, once per model, when a sequence of ``length`` tokens reaches positions beyond
-        ``max_position_embeddings``."""
+        ``max_position_embeddings``. ``forward`` calls it for every chunk; ``generate`` calls it
+        with the prompt plus the new tokens, so the warning comes before the work."""
         limit = self.config.max_position_embeddings
         if length <= limit or self._warned_positions:
             return
