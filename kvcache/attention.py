@@ -131,7 +131,8 @@ def masked(
     G = Hq // Hkv
     if all_visible and T == 1:
         # The decode step over a dense cache: one fused call, no mask, no copies.
-        return F.scaled_dot_product_attention(q.view(B, Hkv, G, D), k, v).view(B, Hq, 1, D)
+        # reshape, not view: on CUDA the rotated query of a batch need not be laid out contiguously.
+        return F.scaled_dot_product_attention(q.reshape(B, Hkv, G, D), k, v).view(B, Hq, 1, D)
     out = torch.empty_like(q)
     for start in range(0, T, QUERY_BLOCK):
         stop = min(start + QUERY_BLOCK, T)

@@ -131,12 +131,12 @@ class ExpectedAttentionCache(EvictingCache):
         cos, sin = self._average_rotation(step)
         mean = apply_rope(mean, cos, sin)  # R mu
         G = Hq // Hkv
-        logits = (keys @ mean.view(B, Hkv, G, D).transpose(-1, -2)).transpose(-1, -2) * D**-0.5  # (B, Hkv, G, N)
+        logits = (keys @ mean.reshape(B, Hkv, G, D).transpose(-1, -2)).transpose(-1, -2) * D**-0.5  # (B, Hkv, G, N)
         if self.options.covariance:
             cov = self._outer / n[..., None] - mean_outer(self._sum / n)
             # R S R^T: rotate the rows, then the columns (S is symmetric).
             cov = apply_rope(apply_rope(cov, cos[:, None], sin[:, None]).transpose(-1, -2), cos[:, None], sin[:, None])
-            spread = ((keys.unsqueeze(2) @ cov.view(B, Hkv, G, D, D)) * keys.unsqueeze(2)).sum(-1)  # (B, Hkv, G, N)
+            spread = ((keys.unsqueeze(2) @ cov.reshape(B, Hkv, G, D, D)) * keys.unsqueeze(2)).sum(-1)  # (B, Hkv, G, N)
             logits = logits + spread / (2 * D)
         # Sinks are kept anyway and empty slots never: neither takes a share of the softmax.
         outside = (pos < self.options.sinks) | (pos < 0)
