@@ -1,0 +1,38 @@
+"""kvcache's policies inside transformers models: a ``Cache`` and a registered attention function.
+
+    import kvcache.hf
+    cache = kvcache.hf.make_cache(model, "h2o", cache_length=256, batch_size=2)  # model: a PreTrainedModel
+    out = model.generate(input_ids, attention_mask=mask, past_key_values=cache, max_new_tokens=64)
+
+``make_cache`` builds a transformers ``Cache`` (``HFCache``) whose layers are kvcache layer caches
+and switches the model to ``attn_implementation="kvcache"``: each attention module's rotated
+queries, keys and values then go to its layer cache, which stores them and computes attention,
+exactly as in kvcache's own model. Importing this module registers the implementation with
+transformers' ``AttentionInterface`` and ``AttentionMaskInterface``; nothing in transformers is
+replaced.
+
+Files: version.py (the supported transformers range, checked here), geometry.py (what a cache
+needs from a model, and what is refused), cache.py (the Cache), padding.py (left padding to
+kvcache's layout), attention.py (the registered functions), make.py (``make_cache``). See
+docs/transformers.md.
+"""
+
+from __future__ import annotations
+
+try:
+    import transformers
+except ImportError:
+    raise ImportError("kvcache.hf needs transformers: pip install 'kvcache[hf]'") from None
+
+from .version import SUPPORTED, check
+
+check(transformers.__version__)
+
+from .attention import NAME, register  # noqa: E402 (after the version check)
+from .cache import HFCache  # noqa: E402
+from .geometry import UnsupportedModelError  # noqa: E402
+from .make import make_cache, use_kvcache_attention  # noqa: E402
+
+register()
+
+__all__ = ["HFCache", "NAME", "SUPPORTED", "UnsupportedModelError", "make_cache", "register", "use_kvcache_attention"]

@@ -1,0 +1,357 @@
+"""A transformers ``Cache`` whose layers are kvcache layer caches.
+
+How a forward of a transformers model reaches a kvcache layer cache: each attention module
+rotates its queries and keys, calls ``past_key_values.update(key, value, layer_idx)`` and then
+the registered attention function (attention.py) with the query, the key and value that
+``update`` returned, and the module. ``HFCache.update`` stores nothing: it returns the new
+keys and values unchanged and leaves a note of the call (this cache, the layer, the key tensor)
+for the attention function, which hands query, key and value to ``HFCache.attend``; there the
+layer cache stores them and computes attention, as kvcache's own model does.
+
+A forward is one kvcache chunk. Layer 0's ``attend`` turns the chunk's shape and transformers'
+2D padding mask into a ``Step`` (``KVCache.begin``, which validates before any layer writes);
+the last layer's ``attend`` commits it. Layers must come in order, one call each per forward.
+
+Sizes, as transformers asks for them:
+    get_seq_length()   columns fed so far (padding included, as transformers counts them and
+                       ``generate`` slices its inputs by); ``lengths`` has each row's real tokens.
+    get_mask_sizes(T)  at most min(seen, cache_length) held slots plus the T new keys; kvcache
+                       builds no mask from them (its attention derives visibility from positions).
+    get_max_length()   the most tokens a layer takes: its capacity for dense, -1 (no limit) for
+                       a policy that evicts.
+Rows cannot be reordered, repeated, selected or cropped (beam search, contrastive search,
+assisted decoding): each layer cache keeps per-row slots and eviction state that have no such
+operation, so those raise NotImplementedError.
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+import torch
+from transformers import Cache
+from transformers.cache_utils import CacheLayerMixin
+
+from ..cache import KVCache, LayerCache, Step
+from . import padding
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """An ``update`` whose attention call has not come yet."""
+
+    cache: HFCache
+    layer_idx: int
+    key: torch.Tensor
+
+
+# The last ``update`` not yet followed by its attention call. Attention modules call the
+# attention function right after ``update`` and pass it nothing else that leads to the cache, so
+# the note is how the function finds it; a context variable keeps threads apart.
+_PENDING: ContextVar[_Pending | None] = ContextVar("kvcache_hf_pending", default=None)
+
+NO_CACHE = (
+    "attn_implementation='kvcache' computes attention in a kvcache cache, but this call has none: pass "
+    "past_key_values=kvcache.hf.make_cache(model, ...) to the model or to generate, or switch the model back "
+    "with model.set_attn_implementation('sdpa')"
+)
+
+
+def take_pending(layer_idx: int, key: torch.Tensor) -> HFCache:
+    """The cache whose ``update`` this attention call follows (layer ``layer_idx``, ``key`` the
+    tensor ``update`` returned); raises if there is none or it was for another call."""
+    pending = _PENDING.get()
+    _PENDING.set(None)
+    if pending is None:
+        raise RuntimeError(NO_CACHE)
+    if pending.layer_idx != layer_idx or pending.key is not key:
+        raise RuntimeError(
+            f"the attention call of layer {layer_idx} does not follow its cache update (the last update was for "
+            f"layer {pending.layer_idx}{'' if pending.key is key else ', with other keys'}): this model changes "
+            "keys between the cache and the attention function, which kvcache.hf does not support"
+        )
+    return pending.cache
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """The forward in flight: its kvcache Step and where its padding is."""
+
+    step: Step
+    layout: padding.Layout
+
+
+class HFLayer(CacheLayerMixin):
+    """One entry of ``HFCache.layers``: a kvcache layer cache as transformers' per-layer
+    interface sees it. Every operation concerns the whole cache and goes to it."""
+
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, cache: HFCache, index: int, layer: LayerCache) -> None:
+        super().__init__()
+        self.cache = cache
+        self.index = index
+        self.layer = layer
+        self.is_sliding = layer.spec.window is not None
+        # The buffers are allocated with the cache: there is nothing to initialise lazily.
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return self.cache.update(key_states, value_states, self.index)
+
+    def get_seq_length(self) -> int:
+        return self.cache.get_seq_length()
+
+    def get_mask_sizes(self, query: int | torch.Tensor) -> tuple[int, int]:
+        """(keys an attention call reads at most, tokens no longer held before them).
+
+        query: the chunk's length T (transformers >= 5.x) or its cache positions (T,) (5.0)."""
+        T = query if isinstance(query, int) else int(query.shape[0])
+        seen = self.cache.get_seq_length()
+        held = min(seen, self.layer.spec.cache_length)
+        return held + T, seen - held
+
+    def get_max_length(self) -> int:
+        return -1 if self.layer.evicts else self.layer.spec.cache_length
+
+    # transformers 5.0 names get_max_length so.
+    get_max_cache_shape = get_max_length
+
+    def offload(self) -> None:
+        pass
+
+    def prefetch(self) -> None:
+        pass
+
+    def reset(self) -> None:
+        self.cache.reset()
+
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        self.cache.reorder_cache(beam_idx)
+
+    def crop(self, tokens: int) -> None:
+        self.cache.crop(tokens)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.cache.batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.cache.batch_select_indices(indices)
+
+
+class HFCache(Cache):
+    """A transformers ``Cache`` over a ``kvcache.KVCache`` (``self.kv``), one ``HFLayer`` per
+    decoder layer. Made by ``kvcache.hf.make_cache``; see the module docstring."""
+
+    def __init__(self, kv: KVCache) -> None:
+        super().__init__(layers=[HFLayer(self, i, layer) for i, layer in enumerate(kv.layers)])
+        self.kv = kv
+        # Columns fed so far, padding included (transformers' sequence length).
+        self.columns = 0
+        self._chunk: _Chunk | None = None
+        # The layer whose update comes next.
+        self._next = 0
+
+    # ----- what transformers asks ---------------------------------------------------------------
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               cache_kwargs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return the new keys and values unchanged and note the call for the attention function.
+
+        key_states, value_states: (B, Hkv, T, D), rotated keys and values of the chunk's tokens.
+        ``cache_kwargs`` (rotary cos/sin, cache positions) is what transformers 5.0 passes; it is
+        not needed, since positions are kvcache's own."""
+        stale = _PENDING.get()
+        if stale is not None and stale.cache is self and layer_idx > 0:
+            raise RuntimeError(
+                f"layer {stale.layer_idx} updated the cache but its attention did not reach kvcache's attention "
+                f"function: this model computes attention outside transformers' AttentionInterface, which "
+                "kvcache.hf does not support"
+            )
+        if layer_idx != self._next:
+            raise RuntimeError(
+                f"layer {layer_idx} called the cache when layer {self._next} was due"
+                + (f": the previous call stopped after layer {self._next - 1}, so the cache holds part of a chunk. "
+                   "Call reset() before using it again" if self._chunk is not None else
+                   "; kvcache.hf takes every layer once per forward, in order")
+            )
+        _PENDING.set(_Pending(self, layer_idx, key_states))
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.columns
+
+    def get_mask_sizes(self, query: int | torch.Tensor, layer_idx: int) -> tuple[int, int]:
+        return self.layers[layer_idx].get_mask_sizes(query)
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        if layer_idx is not None:
+            return self.layers[layer_idx].get_max_length()
+        lengths = [layer.get_max_length() for layer in self.layers]
+        return -1 if -1 in lengths else min(lengths)
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return self.layers[layer_idx].get_max_length()
+
+    @property
+    def is_compileable(self) -> bool:
+        # Host-side decisions (lengths, held slots) drive every call.
+        return False
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    @property
+    def batch_size(self) -> int:
+        return self.kv.batch_size
+
+    # transformers 5.0 names them so.
+    @property
+    def max_batch_size(self) -> int:
+        return self.kv.batch_size
+
+    @property
+    def max_cache_len(self) -> int:
+        return self.kv.cache_length
+
+    def reset(self) -> None:
+        """Forget every token (a forward stopped half-way included)."""
+        self.kv.reset()
+        self.columns = 0
+        self._chunk = None
+        self._next = 0
+        pending = _PENDING.get()
+        if pending is not None and pending.cache is self:
+            _PENDING.set(None)
+
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        raise NotImplementedError(
+            "a kvcache cache cannot reorder its rows (each layer keeps per-row slots and eviction state), so beam "
+            "search is not supported: generate with num_beams=1 (greedy or sampling)"
+        )
+
+    def crop(self, tokens: int) -> None:
+        if tokens == 0:
+            return
+        raise NotImplementedError(
+            "a kvcache cache cannot drop its newest tokens (an evicting policy does not keep tokens in order), so "
+            "assisted and speculative decoding are not supported"
+        )
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if repeats == 1:
+            return
+        raise NotImplementedError(
+            "a kvcache cache cannot repeat its rows: make it with batch_size = prompts x num_return_sequences and "
+            "pass the prompts repeated"
+        )
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("a kvcache cache cannot select rows (contrastive search is not supported)")
+
+    # ----- kvcache's side -------------------------------------------------------------------------
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """(B,) long, CPU: real tokens each row has seen (its next token's position)."""
+        return self.kv.lengths
+
+    @property
+    def policy(self) -> str:
+        return self.kv.policy
+
+    def nbytes(self) -> int:
+        """Bytes of every layer's buffers (keys, values, positions, statistics)."""
+        return self.kv.nbytes()
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None) -> torch.Tensor:
+        """Store layer ``layer_idx``'s keys and values for the chunk and attend.
+
+        q: (B, Hq, T, D) queries rotated at their positions, scaled so that 1/sqrt(D) is their
+        scale; k, v: (B, Hkv, T, D); attention_mask: transformers' 2D padding mask (B, >= T)
+        or None; position_ids: (B or 1, T) as transformers rotated the chunk, or None.
+        Returns (B, Hq, T, D), zero at padding.
+        """
+        if layer_idx == 0:
+            self._chunk = self._begin(q, k, attention_mask, position_ids)
+        chunk = self._chunk
+        layout = chunk.layout
+        if layout.front is not None:
+            q, k, v = (padding.move(x, layout.front) for x in (q, k, v))
+        out = self.kv.layers[layer_idx].attend(q, k, v, chunk.step)
+        if layout.back is not None:
+            out = padding.move(out, layout.back)
+        if layout.pad is not None:
+            # transformers reads no output at padding, but the next layer computes keys from it.
+            out = out.masked_fill(layout.pad[:, None, :, None], 0)
+        self._next = layer_idx + 1
+        if self._next == len(self.kv.layers):
+            self.kv.commit(chunk.step)
+            self.columns += chunk.step.num_tokens
+            self._chunk = None
+            self._next = 0
+        return out
+
+    def _begin(self, q: torch.Tensor, k: torch.Tensor, attention_mask: torch.Tensor | None,
+               position_ids: torch.Tensor | None) -> _Chunk:
+        """Validate the chunk and describe it for every layer; nothing is changed here."""
+        B, T = q.shape[0], q.shape[2]
+        spec = self.kv.spec
+        if B != spec.batch_size:
+            raise ValueError(
+                f"the model was called with {B} rows but this cache was made for batch_size={spec.batch_size}: "
+                f"make it with kvcache.hf.make_cache(model, ..., batch_size={B})"
+            )
+        got = (k.shape[1], k.shape[3], k.dtype, k.device)
+        want = (spec.num_kv_heads, spec.head_dim, spec.dtype, spec.device)
+        if got != want:
+            raise ValueError(
+                f"this cache was made for keys of {want[0]} heads x {want[1]} on {want[3]} in {want[2]}, but the model "
+                f"gives {got[0]} heads x {got[1]} on {got[3]} in {got[2]}: make the cache for this model, after any "
+                "change of its dtype or device"
+            )
+        layout = padding.layout(attention_mask, B, T)
+        # begin reads the chunk's shape and device, never its token ids.
+        step = self.kv.begin(torch.empty((B, T), dtype=torch.long, device=q.device), layout.n_tokens)
+        if position_ids is not None:
+            _check_positions(step, layout, position_ids)
+        return _Chunk(step, layout)
+
+    def __repr__(self) -> str:
+        return f"HFCache(columns={self.columns}, {self.kv!r})"
+
+
+def _check_positions(step: Step, layout: padding.Layout, position_ids: torch.Tensor) -> None:
+    """Raise unless transformers rotated every real token at the position the cache gives it.
+
+    position_ids: (B or 1, T). Keys are stored rotated by transformers and tagged with kvcache's
+    positions, so the two must agree (3D multimodal positions are not compared)."""
+    B, T = step.positions.shape
+    if position_ids.dim() != 2 or position_ids.shape[-1] != T:
+        return
+    given = position_ids.expand(B, T)
+    want = step.positions if layout.back is None else step.positions.gather(1, layout.back)
+    agree = given == want
+    if layout.pad is not None:
+        agree |= layout.pad
+    if agree.is_cuda:
+        # A host check would synchronise every step; this fails on the device instead.
+        torch._assert_async(agree.all(), "position_ids differ from the positions the kvcache cache assigns")
+        return
+    if bool(agree.all()):
+        return
+    row = int((~agree).any(1).long().argmax())
+    real = slice(None) if layout.pad is None else ~layout.pad[row]
+    raise ValueError(
+        f"position_ids of row {row} ({given[row][real].tolist()}) differ from the positions the cache gives its "
+        f"tokens ({want[row][real].tolist()}): kvcache numbers each row's real tokens from 0 in the order they "
+        "are fed. Pass the attention_mask of every column fed so far (as generate does), so that transformers "
+        "numbers them alike, or leave position_ids out"
+    )

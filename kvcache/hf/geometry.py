@@ -1,0 +1,141 @@
+"""What kvcache needs to know about a transformers model, read once, before anything is built.
+
+A kvcache cache is sized by the model's layer count, K/V heads, head size, dtype and device,
+applies the model's own sliding window on top of any policy, and gives policies that renumber
+positions or undo the rotation of queries (sink with ``positions="renumbered"``,
+expected_attention) the rotary frequencies. This module reads all of that from a
+``PreTrainedModel`` and refuses, with ``UnsupportedModelError`` naming the feature, a model whose
+attention kvcache's kernels cannot compute: logit softcapping, layers of different windows or
+of other kinds (linear attention, chunked attention, shared K/V).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+
+from ..rope import rope_angles
+
+# Layer kinds (``config.layer_types``) whose attention kvcache computes: full causal attention,
+# and a sliding window over it (the same window in every layer).
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+# Rotary variants whose frequencies change with the sequence length after the model is built.
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+class UnsupportedModelError(ValueError):
+    """The model uses an attention feature kvcache.hf does not implement (the message names it)."""
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """A transformers model's attention geometry, as a kvcache cache needs it.
+
+    num_layers:   decoder layers, each with one attention module and one layer cache.
+    num_kv_heads, head_dim: the shape of each layer's keys and values, (B, num_kv_heads, T, head_dim).
+    window:       the model's own sliding window, applied to every layer, or None.
+    inv_freq:     (head_dim // 2,) float32 rotary frequencies in the half-split layout kvcache
+                  rotates with (``kvcache.rope``), or None with ``rope_note`` saying why.
+    dtype, device: those of the input embeddings, where the cache's buffers are allocated.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    window: int | None
+    inv_freq: torch.Tensor | None
+    rope_note: str
+    dtype: torch.dtype
+    device: torch.device
+
+
+def read(model: torch.nn.Module) -> Geometry:
+    """The geometry of ``model`` (a transformers ``PreTrainedModel``); raises
+    ``UnsupportedModelError`` for attention kvcache cannot compute."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "get_text_config"):
+        raise UnsupportedModelError(f"{type(model).__name__} is not a transformers model (it has no PreTrainedConfig)")
+    config = config.get_text_config(decoder=True)
+    name = type(model).__name__
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None:
+        raise UnsupportedModelError(
+            f"{name} caps its attention logits (config.attn_logit_softcapping={softcap}); kvcache's attention "
+            "kernels do not implement logit softcapping"
+        )
+    layers = config.num_hidden_layers
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    weight = model.get_input_embeddings().weight
+    inv_freq, note = _rotary(model, head_dim)
+    return Geometry(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, window=_window(config, name),
+                    inv_freq=inv_freq, rope_note=note, dtype=weight.dtype, device=weight.device)
+
+
+def as_kvcache_model(g: Geometry) -> SimpleNamespace:
+    """The attributes of a ``kvcache.Transformer`` that ``kvcache.make_cache`` reads to size a
+    cache (``config`` fields, the embedding weight's dtype and device, ``inv_freq``), so that
+    budgets, allocation, head budgets and reserve are computed and checked as for kvcache's own
+    model, by the same code."""
+    config = SimpleNamespace(num_layers=g.num_layers, num_kv_heads=g.num_kv_heads, head_dim=g.head_dim,
+                             sliding_window=g.window)
+    weight = torch.empty(0, dtype=g.dtype, device=g.device)
+    return SimpleNamespace(config=config, embed_tokens=SimpleNamespace(weight=weight), inv_freq=g.inv_freq)
+
+
+def _window(config, name: str) -> int | None:
+    """The sliding window every layer applies, or None. transformers 5 lists each layer's kind
+    in ``config.layer_types``; without it, ``config.sliding_window`` applies to every layer."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return window
+    unknown = sorted(set(types) - set(SUPPORTED_LAYER_TYPES))
+    if unknown:
+        raise UnsupportedModelError(
+            f"{name} has {', '.join(unknown)} layers (config.layer_types); kvcache.hf supports "
+            f"{' and '.join(SUPPORTED_LAYER_TYPES)} layers"
+        )
+    windows = {window if t == "sliding_attention" else None for t in types}
+    if len(windows) > 1:
+        raise UnsupportedModelError(
+            f"{name} mixes sliding-window (window {window}) and full-attention layers (config.layer_types); "
+            "kvcache.hf applies one model window to every layer"
+        )
+    return windows.pop()
+
+
+def _rotary(model: torch.nn.Module, head_dim: int) -> tuple[torch.Tensor | None, str]:
+    """The model's rotary frequencies if kvcache can rotate with them, else (None, why not).
+
+    Usable frequencies come from exactly one rotary module (a module with an ``inv_freq``
+    buffer), cover the whole head (no partial rotary), do not change with the sequence length,
+    and reproduce the module's own cos/sin in kvcache's half-split layout (checked on a few
+    positions, up to the module's ``attention_scaling``).
+    """
+    rotaries = [m for m in model.modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)]
+    if len(rotaries) != 1:
+        return None, f"it has {len(rotaries)} rotary embedding modules, not one"
+    rotary = rotaries[0]
+    inv_freq = rotary.inv_freq
+    if inv_freq.numel() != head_dim // 2:
+        return None, f"its rotary embedding covers {2 * inv_freq.numel()} of {head_dim} head dimensions"
+    rope_type = getattr(rotary, "rope_type", "default")
+    if rope_type in LENGTH_DEPENDENT_ROPE:
+        return None, f"its rotary frequencies ({rope_type!r}) change with the sequence length"
+    positions = torch.arange(8, device=inv_freq.device)[None]
+    try:
+        with torch.no_grad():
+            cos, sin = rotary(inv_freq.new_zeros(1), positions)
+    except (TypeError, ValueError, RuntimeError) as e:
+        return None, f"its rotary embedding could not be probed ({e})"
+    scale = float(getattr(rotary, "attention_scaling", 1.0))
+    want_cos, want_sin = rope_angles(inv_freq.float(), positions, torch.float32)
+    if cos.shape != want_cos.shape or not (torch.allclose(cos.float(), scale * want_cos, atol=1e-5)
+                                           and torch.allclose(sin.float(), scale * want_sin, atol=1e-5)):
+        return None, "its rotary embedding does not use the half-split (rotate_half) layout kvcache rotates with"
+    # A copy: the cache must not change if the module later recomputes its buffer in place.
+    return inv_freq.detach().float().clone(), ""
