@@ -1,0 +1,9 @@
+"""Long-context fine-tuning through a bounded KV cache.
+
+``chunked_loss`` (chunked.py, with the layer caches of its two passes in replay.py) is the
+differentiable chunked forward; the fine-tuning loop and its pieces live beside it.
+"""
+
+from .chunked import chunked_loss
+
+__all__ = ["chunked_loss"]

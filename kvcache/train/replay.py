@@ -1,0 +1,151 @@
+"""The layer caches behind ``chunked_loss``'s two passes: one records what a real cache did, one
+replays it with gradients.
+
+Recording (no gradient): the sequence runs chunk by chunk through a real cache of the chosen
+policy whose layers are wrapped in ``Recorder``. Each wrapper copies the keys and values of the
+chunk, as the cache attends them (read back from its storage's format), into a ``KeyValueStore``
+of the whole sequence, then lets the real layer cache attend and evict as it always does.
+``held_positions`` reads, after each chunk, which positions each layer kept: the policy's
+decisions, made once, without gradient.
+
+Replay (with gradient, one chunk at a time, last chunk first): a ``Replay`` layer attends the
+chunk's queries over the recorded keys and values of the positions its layer held before the
+chunk (fresh leaf tensors, so their gradient can be collected and sent back to the chunk that
+made them) plus the chunk's own, under the policy's visibility rules. Nothing is written in place
+into a tensor autograd saved, which is why backward through a real cache fails.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import attention
+from ..cache.base import LayerCache, Step
+from ..cache.evicting import EvictingCache
+
+
+class KeyValueStore:
+    """Keys and values of every position of the sequence for one layer, as its cache attended them.
+
+    k, v: (B, Hkv, T, D) in the dtype the model computed them in; allocated by the first write.
+    """
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: (B, Hkv, n, D) of positions [start, start + n)."""
+        if self.k is None:
+            B, H, _, D = k.shape
+            self.k = k.new_empty(B, H, self.length, D)
+            self.v = v.new_empty(B, H, self.length, D)
+        stop = start + k.shape[2]
+        self.k[:, :, start:stop] = k
+        self.v[:, :, start:stop] = v
+
+    def gather(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values at positions ``pos`` (B, Hp, S) (-1: an empty slot, filled with position
+        0's values, which attention never sees): (B, Hkv, S, D) each, fresh tensors."""
+        B, H, _, D = self.k.shape
+        index = pos.clamp(min=0).expand(B, H, -1).unsqueeze(-1).expand(-1, -1, -1, D)
+        return self.k.gather(2, index), self.v.gather(2, index)
+
+
+def check_supported(layer: LayerCache) -> None:
+    """Raise ValueError unless ``chunked_loss`` can record and replay ``layer``."""
+    if isinstance(layer, EvictingCache) or (not layer.evicts and hasattr(layer, "storage")):
+        return
+    what = "head_budgets (one cache per K/V head)" if hasattr(layer, "heads") else f"the {layer.name!r} layer cache"
+    raise ValueError(
+        f"chunked_loss cannot replay {what}: it supports the dense cache and policies built on "
+        "EvictingCache (every registered policy), with uniform or per-layer budgets"
+    )
+
+
+def held_positions(layer: LayerCache, start: int, batch: int) -> torch.Tensor:
+    """(B, Hp, S) long: the positions ``layer`` holds once it has seen ``start`` tokens (-1 for an
+    empty slot). The dense cache holds every position, so its set is not read from the buffers."""
+    if not layer.evicts:
+        return torch.arange(start, device=layer.spec.device).expand(batch, 1, start)
+    return layer.storage.pos[:, :, : layer.spec.cache_length].clone()
+
+
+def rules(layer: LayerCache) -> dict:
+    """The visibility rules ``layer`` attends by (see ``attention.visibility``)."""
+    if isinstance(layer, EvictingCache):
+        return dict(window=layer.window(), sinks=layer.sinks(), limit=layer.spec.window)
+    return dict(window=None, sinks=0, limit=layer.spec.window)
+
+
+class Recorder(LayerCache):
+    """Wraps a real layer cache: copies each chunk's keys and values, as attended, into ``store``."""
+
+    def __init__(self, inner: LayerCache, store: KeyValueStore) -> None:
+        super().__init__(inner.spec, inner.options)
+        self.inner, self.store = inner, store
+        self.name, self.evicts = inner.name, inner.evicts
+
+    def check(self, step: Step) -> None:
+        self.inner.check(step)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
+        # What the cache attends for a new token is its stored form read back (``roundtrip``):
+        # the same values later chunks read from the slots.
+        self.store.write(step.start0, *self.inner.storage.roundtrip(k, v))
+        return self.inner.attend(q, k, v, step)
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def nbytes(self) -> int:
+        return self.inner.nbytes()
+
+
+class Replay(LayerCache):
+    """One layer of one chunk, replayed with gradient.
+
+    ``kept_k``, ``kept_v``: (B, Hkv, S, D) leaves holding the recorded keys and values of the
+    positions ``kept_pos`` (B, Hp, S) the layer held before the chunk (None for the first chunk);
+    ``chunk_k``, ``chunk_v``: (B, Hkv, n, D) the chunk's keys and values as recorded. After the
+    model call, ``new_k`` and ``new_v`` are the chunk's keys and values in the graph, where the
+    gradient later chunks sent them enters.
+    """
+
+    def __init__(self, policy_layer: LayerCache, kept: tuple | None, chunk_k: torch.Tensor,
+                 chunk_v: torch.Tensor) -> None:
+        super().__init__(policy_layer.spec, policy_layer.options)
+        self.policy_layer, self.name = policy_layer, policy_layer.name
+        self.kept_k, self.kept_v, self.kept_pos = kept if kept is not None else (None, None, None)
+        self.chunk_k, self.chunk_v = chunk_k, chunk_v
+        self.new_k: torch.Tensor | None = None
+        self.new_v: torch.Tensor | None = None
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
+        # Forward with the recorded values (what the recording pass attended: a quantized
+        # storage's read-back codes, and bit for bit what later chunks were given), backward
+        # straight through to the recomputed ones.
+        k = k + (self.chunk_k - k).detach()
+        v = v + (self.chunk_v - v).detach()
+        self.new_k, self.new_v = k, v
+        layer, rule = self.policy_layer, rules(self.policy_layer)
+        q_sink = layer._sink_queries(q, step) if isinstance(layer, EvictingCache) else None
+        if self.kept_pos is None:
+            return attention.causal(q, k, v, q_sink=q_sink, **rule)
+        Hp = self.kept_pos.shape[1]
+        new_pos = step.positions.unsqueeze(1).expand(-1, Hp, -1)
+        cand_k = torch.cat((self.kept_k, k), dim=2)
+        cand_v = torch.cat((self.kept_v, v), dim=2)
+        cand_pos = torch.cat((self.kept_pos, new_pos), dim=2)
+        if q_sink is None:
+            return attention.masked(q, cand_k, cand_v, step.positions, cand_pos, **rule)
+        out, _, _ = attention.masked_with_weights(q, cand_k, cand_v, step.positions, cand_pos,
+                                                  step.valid.float(), q_sink=q_sink, **rule)
+        return out
+
+    def reset(self) -> None:
+        pass
+
+    def nbytes(self) -> int:
+        return 0

@@ -1,0 +1,111 @@
+"""Helpers for the fine-tuning tests: an independent reference for ``chunked_loss`` under an
+evicting policy, and gradient comparison.
+
+The reference runs the whole sequence in one plain forward in which each layer's attention is an
+explicit float32 softmax under a (T x T) mask built from the positions a real cache of the same
+policy held before each chunk (read from its buffers after each chunk of an inference run): query
+t of chunk c sees the positions held before c and the tokens of c up to t, within the policy's
+window and sinks. Renumbered sinks score the sink keys with the query rotated back by the shift;
+a quantized storage's keys and values are its read-back values, straight-through. Small sizes
+only (the mask is T x T).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import kvcache
+from kvcache.cache.base import KVCache, LayerCache, Step
+from kvcache.rope import apply_rope, rope_angles
+
+
+def record_held(model, ids: torch.Tensor, policy: str, cache_length: int, sizes: list[int], **options):
+    """Run ``ids`` through a real cache in chunks of ``sizes`` (inference). Returns the cache and
+    held[c][l]: (B, Hp, C) positions layer l held before chunk c (-1 empty)."""
+    B = ids.shape[0]
+    cache = kvcache.make_cache(model, policy, cache_length=cache_length, batch_size=B, **options)
+    held, start = [], 0
+    with torch.inference_mode():
+        for n in sizes:
+            held.append([layer.storage.pos[:, :, : layer.spec.cache_length].clone() for layer in cache.layers])
+            model(ids[:, start : start + n], cache)
+            start += n
+    return cache, held
+
+
+class MaskedLayer(LayerCache):
+    """The whole sequence in one call, attending under the mask the recorded decisions give."""
+
+    def __init__(self, layer, held: list[torch.Tensor], sizes: list[int]) -> None:
+        super().__init__(layer.spec, layer.options)
+        self.layer, self.held, self.sizes, self.name = layer, held, sizes, layer.name
+
+    def mask(self, B: int, T: int, device) -> torch.Tensor:
+        """(B, Hp, T, T) bool: may query t see key p."""
+        Hp = self.held[0].shape[1]
+        allowed = torch.zeros(B, Hp, T, T, dtype=torch.bool, device=device)
+        start = 0
+        for held, n in zip(self.held, self.sizes):
+            for b in range(B):
+                for h in range(Hp):
+                    kept = held[b, h][held[b, h] >= 0]
+                    allowed[b, h, start : start + n, kept] = True
+            allowed[:, :, start : start + n, start : start + n] = True
+            start += n
+        t = torch.arange(T, device=device)
+        rule = (t[None, :] <= t[:, None])  # causal
+        window, sinks, limit = self.layer.window(), self.layer.sinks(), self.layer.spec.window
+        if window is not None:
+            rule &= (t[None, :] > t[:, None] - window) | (t[None, :] < sinks)
+        if limit is not None:
+            rule &= t[None, :] > t[:, None] - limit
+        return allowed & rule
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
+        rk, rv = self.layer.storage.roundtrip(k, v)
+        k, v = k + (rk - k).detach(), v + (rv - v).detach()
+        B, Hq, T, D = q.shape
+        Hkv = k.shape[1]
+        G = Hq // Hkv
+        scores = (q.view(B, Hkv, G, T, D) @ k.unsqueeze(2).transpose(-1, -2)).float() * D**-0.5
+        renumbered = getattr(self.layer.options, "positions", None) == "renumbered" and self.layer.sinks()
+        if renumbered:
+            C, S = self.layer.spec.cache_length, self.layer.sinks()
+            shift = (torch.arange(T) - (C - 1)).clamp(min=0)[None]  # (1, T)
+            cos, sin = rope_angles(self.layer.spec.inv_freq, -shift, q.dtype)
+            qs = apply_rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
+            sink_scores = (qs.view(B, Hkv, G, T, D) @ k[:, :, :S].unsqueeze(2).transpose(-1, -2)).float() * D**-0.5
+            scores = torch.cat((sink_scores, scores[..., S:]), dim=-1)
+        mask = self.mask(B, T, q.device).unsqueeze(2)  # (B, Hp, 1, T, T)
+        weights = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+        return (weights.to(v.dtype) @ v.unsqueeze(2)).view(B, Hq, T, D)
+
+    def reset(self) -> None:
+        pass
+
+    def nbytes(self) -> int:
+        return 0
+
+
+def reference_loss(model, ids: torch.Tensor, cache, held, sizes: list[int]) -> torch.Tensor:
+    """The mean next-token loss of the whole sequence under the recorded decisions' mask."""
+    layers = [MaskedLayer(layer, [h[i] for h in held], sizes) for i, layer in enumerate(cache.layers)]
+    logits = model(ids, KVCache(layers, cache.spec, cache.policy))
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+
+
+def gradients(model, loss_fn) -> tuple[float, dict[str, torch.Tensor]]:
+    """(loss, name -> gradient) of ``loss_fn()`` for every parameter."""
+    model.zero_grad(set_to_none=True)
+    loss = loss_fn()
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.item(), grads
+
+
+def relative_errors(got: dict, want: dict) -> dict[str, float]:
+    """Per parameter: ||got - want|| / ||want|| (the absolute norm when want is 0)."""
+    assert got.keys() == want.keys(), (sorted(got), sorted(want))
+    return {n: ((got[n] - want[n]).norm() / want[n].norm().clamp(min=1e-30)).item() for n in want}
