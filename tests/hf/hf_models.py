@@ -1,0 +1,101 @@
+"""Tiny random transformers models for the kvcache.hf tests: conftest's families (through
+``conftest.build_hf_model``) and families kvcache does not implement itself, built the same way
+(seeded, parameters perturbed so that norms and biases are far from their initial values).
+
+Not a conftest: ``tests/conftest.py`` is imported as the module ``conftest``.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+import kvcache.hf
+from conftest import FAMILIES, HIDDEN, VOCAB, _COMMON, build_hf_model
+
+# Families kvcache does not implement, whose attention goes through transformers' interface.
+# granite scales its scores by attention_multiplier, not 1/sqrt(head_dim).
+OTHER_FAMILIES = ["phi3", "gemma", "granite"]
+
+
+def _other_config(name: str):
+    import transformers
+
+    if name == "phi3":
+        return transformers.Phi3Config(**_COMMON, tie_word_embeddings=False)
+    if name == "phi3_partial":
+        # Rotary over half of each head: frequencies kvcache cannot rotate with.
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+        return transformers.Phi3Config(**_COMMON, rope_parameters=rope, tie_word_embeddings=False)
+    if name == "gemma":
+        return transformers.GemmaConfig(**_COMMON, head_dim=16, tie_word_embeddings=True)
+    if name == "granite":
+        return transformers.GraniteConfig(**_COMMON, attention_multiplier=0.1, embedding_multiplier=2.0,
+                                          residual_multiplier=0.5, logits_scaling=2.0, tie_word_embeddings=False)
+    if name == "gemma2":
+        return transformers.Gemma2Config(**_COMMON, head_dim=16, tie_word_embeddings=True)
+    if name == "gemma2_nocap":
+        return transformers.Gemma2Config(**_COMMON, head_dim=16, attn_logit_softcapping=None,
+                                         final_logit_softcapping=None, tie_word_embeddings=True)
+    if name == "gptj":
+        return transformers.GPTJConfig(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=4, rotary_dim=8,
+                                       n_positions=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    raise KeyError(name)
+
+
+def build(name: str, attn: str = "eager"):
+    """A tiny fp32 causal LM of family ``name`` in eval mode, with ``attn`` attention; the same
+    weights every call."""
+    if name in FAMILIES:
+        model = build_hf_model(name)
+        model.set_attn_implementation(attn)
+        return model
+    from transformers import AutoModelForCausalLM
+
+    seed = zlib.crc32(name.encode()) % 10_000
+    torch.manual_seed(seed)
+    cfg = _other_config(name)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" in pname or "ln_" in pname:
+                # Gemma's norms scale by (1 + weight): its weights start at 0.
+                base = 0.0 if pname.endswith("bias") or cfg.model_type.startswith("gemma") else 1.0
+                p.copy_(base + 0.3 * torch.randn(p.shape, generator=gen))
+            elif pname.endswith("bias"):
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+            elif "embed" in pname or "wte" in pname:
+                scale = HIDDEN**-0.5 if cfg.tie_word_embeddings else 1.0
+                p.copy_(scale * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def greedy(model, ids: torch.Tensor, n: int, cache=None, **kwargs):
+    """(sequences (B, T + n), logits (B, n, vocab)) of greedy ``generate``; ``cache`` is passed
+    as ``past_key_values`` (None: transformers' DynamicCache)."""
+    out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, past_key_values=cache,
+                         output_logits=True, return_dict_in_generate=True, **kwargs)
+    return out.sequences, torch.stack(out.logits, dim=1)
+
+
+def left_pad(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rows of different lengths as (ids, attention_mask), both (B, longest), padded on the left."""
+    T = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), T, dtype=torch.long)
+    mask = torch.zeros(len(rows), T, dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids[b, T - len(r):] = torch.tensor(r)
+        mask[b, T - len(r):] = 1
+    return ids, mask
+
+
+def make(model, policy: str, cache_length: int, **kwargs) -> kvcache.hf.HFCache:
+    """``kvcache.hf.make_cache`` with the options the policy's paper uses at ``cache_length``."""
+    options = {**kvcache.cache.budget_options(policy, cache_length), **kwargs}
+    return kvcache.hf.make_cache(model, policy, cache_length=cache_length, **options)

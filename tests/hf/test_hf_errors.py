@@ -1,0 +1,130 @@
+"""kvcache.hf refuses what it cannot do correctly, with an error that names it, and a refused
+call leaves the model and the cache as they were."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvcache
+import kvcache.hf
+from conftest import CACHE_ATOL, max_diff, random_ids
+from hf_models import build, greedy, left_pad
+from kvcache.hf.version import check
+
+
+@pytest.mark.parametrize("version", ["4.57.1", "4.56.0", "6.0.0", "6.1.0.dev0"])
+def test_unsupported_transformers_version(version):
+    with pytest.raises(ImportError, match=r"transformers>=5\.0,<6.*" + version.replace(".", r"\.")):
+        check(version)
+
+
+@pytest.mark.parametrize("version", ["5.0.0", "5.2.0", "5.23.0", "5.99.1"])
+def test_supported_transformers_version(version):
+    check(version)
+
+
+def test_model_whose_attention_bypasses_the_interface():
+    model = build("gptj")
+    with pytest.raises(kvcache.hf.UnsupportedModelError, match="does not go through transformers' AttentionInterface"):
+        kvcache.hf.make_cache(model, "dense", cache_length=8)
+    assert model.config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize("name, what", [("gemma2", "logit softcapping"),
+                                        ("gemma2_nocap", "mixes sliding-window .* and full-attention layers")])
+def test_attention_features_kvcache_does_not_compute(name, what):
+    model = build(name)
+    with pytest.raises(kvcache.hf.UnsupportedModelError, match=what):
+        kvcache.hf.make_cache(model, "dense", cache_length=8)
+    assert model.config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize("policy, options", [("sink", {"positions": "renumbered"}), ("expected_attention", {})])
+def test_policies_that_rotate_need_full_half_split_rotary(policy, options):
+    model = build("phi3_partial")
+    with pytest.raises(kvcache.hf.UnsupportedModelError, match="covers 8 of 16 head dimensions"):
+        kvcache.hf.make_cache(model, policy, cache_length=8, sinks=2, **options)
+    assert model.config._attn_implementation == "eager"
+    # Policies that never rotate work on it.
+    kvcache.hf.make_cache(model, "sink", cache_length=8, sinks=2, positions="absolute")
+
+
+def test_call_without_a_kvcache_cache():
+    model = build("llama")
+    kvcache.hf.make_cache(model, "dense", cache_length=8)
+    ids = random_ids(4)
+    with pytest.raises(RuntimeError, match="past_key_values=kvcache.hf.make_cache"):
+        model(ids)  # transformers makes a DynamicCache
+    with pytest.raises(RuntimeError, match="past_key_values=kvcache.hf.make_cache"):
+        model(ids, use_cache=False)
+    model.set_attn_implementation("eager")
+    model(ids)
+
+
+def test_rejected_calls_leave_the_cache_as_it_was():
+    model = build("llama")
+    ids = random_ids(12, batch=2, seed=30)
+    cache = kvcache.hf.make_cache(model, "dense", cache_length=10, batch_size=2)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="batch_size=2"):
+            model(ids[:1], past_key_values=cache)
+        with pytest.raises(kvcache.CapacityError):
+            model(ids, past_key_values=cache)  # 12 tokens into 10 slots
+        with pytest.raises(ValueError, match="position_ids of row 0"):
+            model(ids[:, :4], position_ids=torch.arange(1, 5)[None], past_key_values=cache)
+        with pytest.raises(ValueError, match="2D padding mask"):
+            model(ids[:, :4], attention_mask=torch.ones(2, 1, 4, 4, dtype=torch.bool), past_key_values=cache)
+        gap = torch.tensor([[1, 1, 1, 1], [1, 0, 1, 1]])
+        with pytest.raises(ValueError, match="row 1 has padding between real tokens"):
+            model(ids[:, :4], attention_mask=gap, past_key_values=cache)
+        assert cache.get_seq_length() == 0 and cache.lengths.tolist() == [0, 0]
+        got = model(ids[:, :10], past_key_values=cache).logits
+    assert max_diff(got, model(ids[:, :10], past_key_values=kvcache.hf.make_cache(
+        model, "dense", cache_length=10, batch_size=2)).logits) <= CACHE_ATOL[torch.float32]
+
+
+def test_a_forward_stopped_half_way_asks_for_reset():
+    model = build("llama")
+    cache = kvcache.hf.make_cache(model, "dense", cache_length=16)
+    ids = random_ids(4, seed=31)
+
+    def fail(module, args):
+        raise KeyboardInterrupt
+
+    hook = model.model.layers[1].register_forward_pre_hook(fail)
+    with pytest.raises(KeyboardInterrupt):
+        model(ids, past_key_values=cache)
+    hook.remove()
+    with pytest.raises(RuntimeError, match=r"stopped after layer 0.*reset\(\)"):
+        model(ids, past_key_values=cache)
+    cache.reset()
+    model(ids, past_key_values=cache)
+    assert cache.get_seq_length() == 4
+
+
+def test_row_operations_are_refused():
+    model = build("llama")
+    ids, mask = left_pad([random_ids(6, seed=32)[0].tolist(), random_ids(4, seed=33)[0].tolist()])
+    cache = kvcache.hf.make_cache(model, "h2o", cache_length=8, batch_size=4)
+    with pytest.raises(NotImplementedError, match="beam search"):
+        model.generate(ids, attention_mask=mask, past_key_values=cache, num_beams=2, max_new_tokens=3,
+                       do_sample=False)
+    cache = kvcache.hf.make_cache(model, "h2o", cache_length=8)
+    cache.crop(0)
+    with pytest.raises(NotImplementedError, match="assisted"):
+        cache.crop(-1)
+    with pytest.raises(NotImplementedError, match="select rows"):
+        cache.batch_select_indices(torch.tensor([0]))
+
+
+def test_storage_and_options_are_kvcaches():
+    model = build("llama")
+    with pytest.raises(ValueError, match="unknown storage"):
+        kvcache.hf.make_cache(model, "h2o:int3", cache_length=8)
+    with pytest.raises(ValueError, match="unknown policy"):
+        kvcache.hf.make_cache(model, "lru", cache_length=8)
+    cache = kvcache.hf.make_cache(model, "h2o:int4", cache_length=8, recent=2)
+    assert cache.policy == "h2o:int4" and cache.nbytes() == cache.kv.nbytes() > 0
+    greedy(model, random_ids(12, seed=34), 4, cache)
+    assert cache.get_seq_length() == 15
