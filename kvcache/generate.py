@@ -11,6 +11,7 @@ import torch
 from .cache.base import KVCache
 from .cache.registry import make_cache
 from .checkpoint import Tokenizer
+from .compile import captured_decode
 from .errors import CapacityError, GenerationError
 from .model import Transformer
 
@@ -202,6 +203,7 @@ def generate(
     prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
     on_token: TokenCallback | None = None,
     on_prefill: ProgressCallback | None = None,
+    compile: bool = False,
 ) -> list[list[int]] | list[int]:
     """Generate up to ``max_new_tokens`` tokens after each prompt; returns the new tokens.
 
@@ -247,6 +249,11 @@ def generate(
         on_prefill(done, total): called after each prefill chunk with the prompt tokens
             processed so far, over all rows, and the total.
 
+    compile: run the decode steps through a captured step (``torch.compile``, CUDA graphs on
+        CUDA; see kvcache/compile.py); prefill stays eager. The capture is made on the first
+        call and kept with the cache: pass the same ``cache`` to later calls to reuse it (a
+        cache made here is new each call, and so is its capture). Not with ``reserve``.
+
     Errors: ``ValueError`` for bad arguments (before anything runs), ``CapacityError`` as above.
     An error raised after the first new token (an exception from a callback, running out of
     memory) is raised as ``GenerationError``, whose ``tokens`` holds the tokens made so far (in
@@ -278,6 +285,11 @@ def generate(
     elif cache.batch_size != B:
         raise ValueError(f"the cache was made for batch_size={cache.batch_size}, but there are {B} prompts")
     _check_capacity(cache, longest, max_new_tokens)
+    if compile:
+        decode = captured_decode(model, cache)
+    else:
+        def decode(tokens: torch.Tensor) -> torch.Tensor:
+            return model(tokens, cache)[:, -1]
     # Up front rather than when the decode loop gets there; the model warns once, so not again then.
     model.warn_past_max_positions(longest + max(max_new_tokens - 1, 0))
     cache.reset()
@@ -331,7 +343,7 @@ def generate(
             if seen is not None:
                 seen[every_row, tokens] = True
             # Finished rows keep stepping (their tokens are discarded) so every step has the same shape.
-            next_logits = model(tokens[:, None], cache)[:, -1]
+            next_logits = decode(tokens[:, None])
     except Exception as e:
         made = sum(map(len, out))
         if made == 0:

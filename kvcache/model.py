@@ -167,6 +167,27 @@ class Transformer(nn.Module):
             positions = step.positions  # (B, T)
             last = step.last_index
             self.warn_past_max_positions(step.span_end)
+        out = self.run(input_ids, positions, cache, step, last if last_only else None, skip_lm_head)
+        if cache is not None:
+            cache.commit(step)
+        return out
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache | None,
+        step: Step | None,
+        last: torch.Tensor | None = None,
+        skip_lm_head: bool = False,
+    ) -> torch.Tensor:
+        """The computation of ``forward`` without its checks and bookkeeping: nothing here reads
+        the host or branches on data, so a decode step can be captured (see compile.py).
+
+        input_ids: (B, T); positions: (B or 1, T) long; ``step`` describes the chunk to the layer
+        caches (None without a cache). ``last`` (B,): keep only these token indices (logits
+        (B, 1, vocab)). Returns logits, or the final normed hidden states with ``skip_lm_head``.
+        """
         cos, sin = rope_angles(self.inv_freq, positions, self.embed_tokens.weight.dtype)
         x = self.embed_tokens(input_ids)
         for i, block in enumerate(self.layers):
@@ -175,10 +196,8 @@ class Transformer(nn.Module):
                 if replaced is not None:
                     x = replaced
             x = block(x, cos, sin, None if cache is None else cache.layers[i], step)
-        if cache is not None:
-            cache.commit(step)
-        if last_only:
-            x = x[torch.arange(B, device=x.device), last].unsqueeze(1)
+        if last is not None:
+            x = x[torch.arange(x.shape[0], device=x.device), last].unsqueeze(1)
         x = self.norm(x)
         return x if skip_lm_head else self.lm_head(x)
 

@@ -19,13 +19,17 @@ so a rejected chunk leaves the cache as it was.
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from ..errors import CapacityError
+from . import snapshot as snapshots
 from .options import NoOptions
+from .snapshot import Snapshot, check_tensors, storage_buffers
 
 
 
@@ -84,6 +88,9 @@ class Step:
     min_start:  min over rows of start.
     start0:     start of row 0 (the start of every row when ``uniform``).
     decode:     one real token in every row (T == 1, no padding): the decode step.
+    static:     a captured decode step (``Step.captured_decode``): described by device tensors
+                alone, so one capture serves every step; ``start``, ``n_tokens`` and the host
+                integers are not set, and layer caches take their ``decode_static`` path.
     shared:     values that every layer would compute alike for this call (rotation angles, say),
                 computed by the first layer that needs them; keyed by whoever computes them.
     """
@@ -101,12 +108,26 @@ class Step:
     min_start: int
     start0: int
     decode: bool
+    static: bool = False
     shared: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_tokens(self) -> int:
         """T, the chunk length including padding."""
         return self.positions.shape[1]
+
+    @classmethod
+    def captured_decode(cls, positions: torch.Tensor) -> Step:
+        """One token per row at ``positions`` (B, 1) long, device: the step of a captured decode
+        (compile.py). Every field is a tensor computed from ``positions`` or a constant, so
+        tracing it twice gives the same graph."""
+        B = positions.shape[0]
+        return cls(
+            positions=positions, valid=torch.ones_like(positions, dtype=torch.bool), append_slot=positions,
+            last_index=torch.zeros(B, dtype=torch.long, device=positions.device), newest=positions[:, 0],
+            start=None, n_tokens=None, fresh=False, uniform=False, span_end=-1, min_start=-1, start0=-1,
+            decode=True, static=True,
+        )
 
 
 class LayerCache(ABC):
@@ -123,6 +144,11 @@ class LayerCache(ABC):
     evicts: bool = True
     # Whether ``CacheSpec.reserve`` (batched eviction) applies.
     supports_reserve: bool = False
+    # Whether what the layer keeps, and computes from it, is independent of how a sequence is
+    # chunked (up to float rounding): true of dense and of policies that keep tokens by position
+    # alone (window, sink). The prefix store continues such a cache from any boundary it stored;
+    # any other only from boundaries on the prefill grid (docs/prefix.md).
+    chunking_invariant: bool = False
 
     def __init__(self, spec: CacheSpec, options: object = None) -> None:
         self.spec = spec
@@ -142,6 +168,15 @@ class LayerCache(ABC):
     def check(self, step: Step) -> None:
         """Raise ``CapacityError`` if ``step`` cannot be accepted. Must not change any state."""
 
+    def decode_static(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
+        """``attend`` for a captured decode step (``step.static``): one token per row, fixed shapes,
+        no host reads and no data-dependent branches; ``advance_decode`` then updates the host
+        state. q: (B, Hq, 1, D); k, v: (B, Hkv, 1, D) -> (B, Hq, 1, D)."""
+        raise NotImplementedError(f"the {self.name} policy has no captured decode step")
+
+    def advance_decode(self) -> None:
+        """Host-side bookkeeping after a ``decode_static`` step (nothing by default)."""
+
     @abstractmethod
     def reset(self) -> None:
         """Forget every token."""
@@ -149,6 +184,42 @@ class LayerCache(ABC):
     @abstractmethod
     def nbytes(self) -> int:
         """Bytes held by this layer's buffers."""
+
+    # ----- state: snapshots, forks and the prefix store (snapshot.py) -------------------------
+    def state(self) -> dict[str, torch.Tensor]:
+        """The tensors that hold this layer's contents, by name: the live buffers (not copies),
+        each with the batch as its first dimension. Default: the storage's buffers
+        (``storage.k``, ``storage.v``, ``storage.pos``, ...). A layer that keeps more (statistics,
+        counters, a policy's own tensors) adds them; all else is configuration (``config``).
+        May first bring the layer to a canonical form, which changes nothing it computes."""
+        return {f"storage.{name}": t for name, t in storage_buffers(self.storage).items()}
+
+    def check_state(self, state: Mapping[str, torch.Tensor], rows: int) -> None:
+        """Raise ValueError unless ``state`` (as ``state()`` gives it, for ``rows`` rows) fits
+        this layer: the same names, dtypes and shapes. Changes nothing."""
+        check_tensors(self.state(), state, rows, f"the {self.name} layer")
+
+    def load_state(self, state: Mapping[str, torch.Tensor], rows: torch.Tensor) -> None:
+        """Copy ``state`` (checked by ``check_state``) into rows ``rows`` ((n,) long) of this layer."""
+        live = self.state()
+        for name, t in state.items():
+            live[name].index_copy_(0, rows.to(live[name].device), t.to(live[name].device))
+
+    def config(self) -> dict[str, object]:
+        """What makes this layer what it is, besides its batch size and contents, as JSON values:
+        a snapshot restores only into a layer of equal ``config``."""
+        spec = self.spec
+        options = dataclasses.asdict(self.options) if dataclasses.is_dataclass(self.options) else {}
+        return {
+            "policy": self.name, "options": options, "cache_length": spec.cache_length,
+            "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
+            "dtype": str(spec.dtype).removeprefix("torch."), "storage": spec.storage,
+            "reserve": spec.reserve, "window": spec.window,
+        }
+
+    def empty_like(self, batch_size: int) -> LayerCache:
+        """A new, empty layer cache of the same configuration, for ``batch_size`` rows."""
+        return type(self)(dataclasses.replace(self.spec, batch_size=batch_size), self.options)
 
 
 class KVCache:
@@ -171,6 +242,9 @@ class KVCache:
         # Tokens seen per row. Kept on the CPU: it drives Python-side decisions (capacity checks,
         # slicing) without a device synchronisation.
         self.lengths = torch.zeros(spec.batch_size, dtype=torch.long)
+        # The captured decode step over this cache, made by ``kvcache.compile.captured_decode``
+        # on first use and kept here so that later generations replay it.
+        self.captured = None
 
     @property
     def batch_size(self) -> int:
@@ -265,6 +339,12 @@ class KVCache:
         """Advance each row by the chunk's real tokens (called after the last layer)."""
         self.lengths += step.n_tokens
 
+    def advance_decode(self) -> None:
+        """Advance every row by one token after a captured decode step (compile.py)."""
+        self.lengths += 1
+        for layer in self.layers:
+            layer.advance_decode()
+
     def reset(self) -> None:
         self.lengths.zero_()
         for layer in self.layers:
@@ -273,6 +353,36 @@ class KVCache:
     def nbytes(self) -> int:
         """Bytes held by all layers' buffers (keys, values, positions and any scores)."""
         return sum(layer.nbytes() for layer in self.layers)
+
+    @property
+    def chunking_invariant(self) -> bool:
+        """Whether every layer is independent of how a sequence is chunked (see LayerCache)."""
+        return all(layer.chunking_invariant for layer in self.layers)
+
+    def snapshot(self, rows: Sequence[int] | None = None) -> Snapshot:
+        """A copy of the state of ``rows`` (default: every row): keys, values, positions,
+        statistics, held counts, policy state and the row lengths. Continuing this cache, or a
+        cache restored from the snapshot, never changes it."""
+        return snapshots.take(self, rows)
+
+    def restore(self, snapshot: Snapshot, rows: Sequence[int] | None = None) -> None:
+        """Make ``rows`` (default: every row) hold the state in ``snapshot``, which holds as many
+        rows. The snapshot must come from a cache of the same policy, storage and per-layer
+        configuration (cache_length, options, heads, dtype); otherwise ValueError is raised and
+        this cache is left as it was. Other rows are not touched."""
+        snapshots.restore(self, snapshot, rows)
+
+    def empty_like(self, batch_size: int | None = None) -> KVCache:
+        """A new, empty cache of the same configuration (for ``batch_size`` rows; default the same)."""
+        batch_size = self.batch_size if batch_size is None else batch_size
+        layers = [layer.empty_like(batch_size) for layer in self.layers]
+        return KVCache(layers, dataclasses.replace(self.spec, batch_size=batch_size), self.policy)
+
+    def fork(self) -> KVCache:
+        """An independent copy of this cache: the two continue separately."""
+        twin = self.empty_like()
+        twin.restore(self.snapshot())
+        return twin
 
     def __repr__(self) -> str:
         return (

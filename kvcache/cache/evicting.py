@@ -32,7 +32,6 @@ takes the chunk path.
 
 from __future__ import annotations
 
-import dataclasses
 from abc import abstractmethod
 
 import torch
@@ -138,6 +137,8 @@ class EvictingCache(LayerCache):
         return None
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
+        if step.static:
+            return self.decode_static(q, k, v, step)
         if bool((self.held + step.n_tokens <= self.spec.cache_length).all()):
             return self._append(q, k, v, step)
         if step.decode and not self.spec.reserve:
@@ -181,10 +182,18 @@ class EvictingCache(LayerCache):
         every call. Statistics decide what is kept; they carry no gradient."""
         if not self._observes or (mass is None and self.needs_attention):
             return
-        self.observe(dataclasses.replace(
-            c, keys=c.keys.detach(), values=c.values.detach(), queries=c.queries.detach(),
-            mass=None if mass is None else mass.detach(), seen=seen,
+        self.observe(Candidates(
+            c.keys.detach(), c.values.detach(), c.positions, c.stats, c.queries.detach(), c.step,
+            None if mass is None else mass.detach(), seen,
         ))
+
+    def decode_static(self, q, k, v, step: Step) -> torch.Tensor:
+        # The decode path serves a cache that is not full too: the lowest-priority slot is then
+        # an empty one, the first (as appending would choose), so one path covers every step.
+        return self._decode(q, k, v, step)
+
+    def advance_decode(self) -> None:
+        self.held = (self.held + 1).clamp(max=self.spec.cache_length)
 
     def _decode(self, q, k, v, step: Step) -> torch.Tensor:
         C = self.spec.cache_length
@@ -192,8 +201,8 @@ class EvictingCache(LayerCache):
         store.write_slice(C, k, v, step.positions)
         self._stats[..., C] = 0.0
         ks, vs, pos = store.view(C + 1)
-        # Once every row has seen C tokens no slot is empty.
-        full = step.min_start >= C
+        # Once every row has seen C tokens no slot is empty (a captured step does not know).
+        full = not step.static and step.min_start >= C
         if self.window() is None and self.spec.window is None:
             # Only empty slots are hidden.
             visible = None if full else pos >= 0
@@ -210,7 +219,8 @@ class EvictingCache(LayerCache):
         lowest = prio == prio.amin(-1, keepdim=True)
         victim = torch.where(lowest, pos, torch.iinfo(torch.long).max).argmin(-1, keepdim=True)  # (B, Hp, 1)
         store.settle(victim, k, v, step.positions)
-        self.held = (self.held + 1).clamp(max=C)
+        if not step.static:
+            self.advance_decode()
         if self.stats:
             n, B, Hp, _ = self._stats.shape
             self._stats.scatter_(3, victim.expand(n, B, Hp, 1), self._stats[..., C : C + 1].clone())
@@ -268,6 +278,13 @@ class EvictingCache(LayerCache):
         self.storage.reset()
         self._stats.zero_()
         self.held.zero_()
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """The storage's buffers, each statistic ``stat.{name}`` (B, Hp, C + 1) and ``held`` (B,)."""
+        state = super().state()
+        state.update({f"stat.{name}": s for name, s in self.stat.items()})
+        state["held"] = self.held
+        return state
 
     def nbytes(self) -> int:
         return self.storage.nbytes() + self._stats.numel() * self._stats.element_size()

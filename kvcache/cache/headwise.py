@@ -43,9 +43,47 @@ class HeadwiseCache(LayerCache):
         ]
         return torch.cat(outs, dim=1)
 
+    def advance_decode(self) -> None:
+        for head in self.heads:
+            head.advance_decode()
+
     def reset(self) -> None:
         for head in self.heads:
             head.reset()
 
     def nbytes(self) -> int:
         return sum(head.nbytes() for head in self.heads)
+
+    # ----- state (snapshots): each head's, under ``head{h}.`` ---------------------------------
+    @property
+    def chunking_invariant(self) -> bool:
+        return self.heads[0].chunking_invariant
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {f"head{h}.{name}": t for h, head in enumerate(self.heads) for name, t in head.state().items()}
+
+    def _split(self, state) -> list[dict[str, torch.Tensor]]:
+        """``state`` by head; raises ValueError on a name that belongs to no head."""
+        parts: list[dict[str, torch.Tensor]] = [{} for _ in self.heads]
+        for key, t in state.items():
+            head, _, name = key.partition(".")
+            h = head.removeprefix("head")
+            if not head.startswith("head") or not h.isdigit() or int(h) >= len(self.heads):
+                raise ValueError(f"the {self.name} layer: {key!r} names none of its {len(self.heads)} heads")
+            parts[int(h)][name] = t
+        return parts
+
+    def check_state(self, state, rows: int) -> None:
+        for head, part in zip(self.heads, self._split(state)):
+            head.check_state(part, rows)
+
+    def load_state(self, state, rows: torch.Tensor) -> None:
+        for head, part in zip(self.heads, self._split(state)):
+            head.load_state(part, rows)
+
+    def config(self) -> dict[str, object]:
+        return {**super().config(), "head_budgets": self.budgets}
+
+    def empty_like(self, batch_size: int) -> HeadwiseCache:
+        spec = dataclasses.replace(self.spec, batch_size=batch_size)
+        return HeadwiseCache(spec, type(self.heads[0]), self.options, self.budgets)

@@ -22,9 +22,14 @@ class RingCache(EvictingCache):
 
     # The ring keeps the newest tokens and is always full: batched eviction has nothing to batch.
     supports_reserve = False
+    # What it keeps is a function of positions, and each query sees the same keys however the
+    # sequence is chunked.
+    chunking_invariant = True
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
         # A ring appends at the slot its position names: no held-slot bookkeeping, no search.
+        if step.static:
+            return self.decode_static(q, k, v, step)
         if step.decode:
             return self._decode(q, k, v, step)
         return self._chunk(q, k, v, step)
@@ -73,6 +78,16 @@ class RingCache(EvictingCache):
         visible = attention.visibility(step.positions, pos, self.window(), self.sinks(), self.spec.window)[:, :, 0]
         q_sink = self._sink_queries(q, step)
         out, _ = attention.decode(q, ks, vs, visible, q_sink=q_sink, sink_slots=self.sinks())
+        return out
+
+    def decode_static(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
+        # The token goes to its position's slot; every slot is attended with the policy's
+        # visibility mask (empty slots hidden), and renumbered sinks are scored by the rotated
+        # query (a bias on their columns), so no slot is modified for scoring.
+        self.storage.write(self.slot(step.positions), k, v, step.positions)
+        ks, vs, pos = self.storage.view(self.spec.cache_length)
+        visible = attention.visibility(step.positions, pos, self.window(), self.sinks(), self.spec.window)[:, :, 0]
+        out, _ = attention.decode(q, ks, vs, visible, q_sink=self._sink_queries(q, step), sink_slots=self.sinks())
         return out
 
     def _prepare_full(self, ks: torch.Tensor, step: Step) -> None:

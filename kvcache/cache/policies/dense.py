@@ -16,6 +16,7 @@ class DenseCache(LayerCache):
     description = "keep every token (exact; fails when cache_length is exceeded)"
 
     evicts = False
+    chunking_invariant = True
 
     def __init__(self, spec: CacheSpec, options: object = None) -> None:
         super().__init__(spec, options)
@@ -26,6 +27,8 @@ class DenseCache(LayerCache):
             raise capacity_error(step, self.spec.cache_length, self.name)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
+        if step.static:
+            return self.decode_static(q, k, v, step)
         T = step.num_tokens
         if step.uniform:
             self.storage.write_slice(step.start0, k, v, step.positions)
@@ -40,6 +43,48 @@ class DenseCache(LayerCache):
         # A one-token step over a uniformly filled cache sees every slot, unless a model window cuts it.
         all_visible = step.uniform and T == 1 and (self.spec.window is None or span <= self.spec.window)
         return attention.masked(q, ks, vs, step.positions, pos, window=self.spec.window, all_visible=all_visible)
+
+    def decode_static(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
+        # Position p lives in slot p; every slot is attended, the empty and future ones masked,
+        # so the shapes never change. (The caller has checked that every position fits.)
+        self.storage.write(step.positions, k, v, step.positions)
+        ks, vs, pos = self.storage.view(self.spec.cache_length)
+        visible = attention.visibility(step.positions, pos, None, 0, self.spec.window)[:, :, 0]  # (B, 1, C)
+        return attention.decode(q, ks, vs, visible)[0]
+
+    # ----- slots as prefixes (the prefix store): slot p holds position p ---------------------
+    def read_slots(self, row: int, start: int, stop: int) -> dict[str, torch.Tensor]:
+        """Copies of row ``row``'s slots [start, stop), which hold positions start..stop-1: every
+        storage buffer but the positions, name -> (1, Hkv, stop - start, ...)."""
+        slots = self.spec.cache_length + 1
+        parts = {}
+        for name, t in self.state().items():
+            if t.dim() < 3 or t.shape[2] != slots:
+                # A storage buffer not laid out per slot cannot be cut into prefixes.
+                raise ValueError(f"dense storage buffer {name} of shape {tuple(t.shape)} has no slot axis (dim 2)")
+            if name != "storage.pos":
+                parts[name] = t[row : row + 1, :, start:stop].clone()
+        return parts
+
+    def write_slots(self, row: int, parts: dict[str, torch.Tensor]) -> None:
+        """Make row ``row`` hold positions 0..n-1, their slots taken from ``parts`` (as
+        ``read_slots`` gives them, n wide), and nothing after them. Checks everything first."""
+        state = self.state()
+        n = next(iter(parts.values())).shape[2] if parts else 0
+        wanted = set(state) - {"storage.pos"}
+        if set(parts) != wanted or n > self.spec.cache_length:
+            raise ValueError(f"slots {sorted(parts)} of {n} tokens do not fit this dense layer "
+                             f"({sorted(wanted)}, cache_length {self.spec.cache_length})")
+        for name, t in parts.items():
+            live = state[name]
+            if t.dtype != live.dtype or tuple(t.shape) != (1, *live.shape[1:2], n, *live.shape[3:]):
+                raise ValueError(f"{name}: slots of {t.dtype} {tuple(t.shape)} do not fit {live.dtype} "
+                                 f"(1, {live.shape[1]}, {n}, ...)")
+        for name, t in parts.items():
+            state[name][row : row + 1, :, :n].copy_(t)
+        pos = self.storage.pos
+        pos[row, :, :n] = torch.arange(n, device=pos.device)
+        pos[row, :, n:] = -1
 
     def reset(self) -> None:
         self.storage.reset()

@@ -86,7 +86,7 @@ class SinkCache(RingCache):
     def _sink_queries(self, q: torch.Tensor, step: Step) -> torch.Tensor | None:
         if self.options.positions == "absolute" or self.options.sinks == 0:
             return None
-        if step.span_end <= self.spec.cache_length:
+        if not step.static and step.span_end <= self.spec.cache_length:
             return None  # no position has reached cache_length yet: nothing is renumbered
         # q: (B, Hq, T, D) rotated at p; rotate by -shift to p - shift for scoring sinks.
         cos, sin = rope_angles(self.spec.inv_freq, -self.shift(step.positions), q.dtype)
@@ -117,6 +117,11 @@ class SinkCache(RingCache):
             self.storage.view(self.options.sinks)[0].copy_(self._stored_sinks[0])
             self._stored_sinks = None
 
+    def decode_static(self, q, k, v, step: Step) -> torch.Tensor:
+        # The slots must hold the sinks as stored: the captured step scores them by rotating the query.
+        self._restore_sinks()
+        return super().decode_static(q, k, v, step)
+
     def _chunk(self, q, k, v, step: Step) -> torch.Tensor:
         # (A decode step never needs this: once its rows are full they stay full until reset.)
         self._restore_sinks()
@@ -125,3 +130,9 @@ class SinkCache(RingCache):
     def reset(self) -> None:
         self._stored_sinks = None
         super().reset()
+
+    def state(self) -> dict[str, torch.Tensor]:
+        # Canonical form: the sinks back in their slots as stored. The next decode step over
+        # full rows rotates them again from there, exactly as it would have from the copy.
+        self._restore_sinks()
+        return super().state()

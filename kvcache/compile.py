@@ -1,0 +1,80 @@
+"""A captured decode step: one token per row through a model and its cache, compiled once.
+
+The eager decode step makes host-side decisions (which path, how many slots are filled) that
+change from step to step. The captured step makes none: it is described by device tensors alone
+(``Step.captured_decode``), every layer cache takes its ``decode_static`` path (fixed shapes: all
+slots attended under a mask from positions, writes by index), and the host bookkeeping (each
+row's length, held slots) runs outside it (``KVCache.advance_decode``). One capture then serves
+every step of every generation with the same cache: ``torch.compile(fullgraph=True)``, and on
+CUDA its CUDA-graph mode ("reduce-overhead").
+
+Prefill stays eager. Batched eviction (``reserve``) is not captured: its steps alternate between
+appending and evicting, which is a decision the captured step does not make.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cache.base import KVCache, Step
+from .errors import CapacityError
+
+
+class CompiledDecode:
+    """``decode(tokens)`` -> (B, vocab) logits of the next token, for ``model`` and ``cache``.
+
+    tokens: (B, 1) long on the model's device, one new token per row. ``backend`` and ``mode``
+    go to ``torch.compile`` (default: inductor; "reduce-overhead" on CUDA, where it replays a
+    CUDA graph). The cache may be reset and refilled between calls; it must stay the same object.
+    """
+
+    def __init__(self, model: torch.nn.Module, cache: KVCache, *, backend: str = "inductor",
+                 mode: str | None = None) -> None:
+        reserved = sorted({layer.spec.reserve for layer in _leaves(cache)} - {0})
+        if reserved:
+            raise ValueError(
+                f"a captured decode step does not support reserve (got reserve={reserved[0]}): batched "
+                "eviction alternates between appending and evicting. Use compile=False, or reserve=0."
+            )
+        cache.check_model(model)
+        self.model, self.cache = model, cache
+        device = model.embed_tokens.weight.device
+        if mode is None and device.type == "cuda":
+            mode = "reduce-overhead"
+        self._cuda_graphs = mode == "reduce-overhead"
+        self._step = torch.compile(self._forward, fullgraph=True, dynamic=False, backend=backend, mode=mode)
+
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        step = Step.captured_decode(positions)
+        return self.model.run(tokens, positions, self.cache, step)[:, -1]
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        cache = self.cache
+        if tokens.shape != (cache.batch_size, 1):
+            raise ValueError(f"tokens must have shape ({cache.batch_size}, 1), got {tuple(tokens.shape)}")
+        limit = cache.max_tokens
+        if limit is not None and int(cache.lengths.max()) >= limit:
+            row = int(cache.lengths.argmax())
+            raise CapacityError(
+                f"{cache.policy} cache is full: row {row} holds {int(cache.lengths[row])} tokens and "
+                f"cache_length is {limit}. Make the cache with a larger cache_length, or use an evicting policy."
+            )
+        positions = cache.lengths[:, None].to(tokens.device, non_blocking=True)
+        logits = self._step(tokens, positions)
+        cache.advance_decode()
+        # A CUDA graph's output lives in memory the next replay overwrites.
+        return logits.clone() if self._cuda_graphs else logits
+
+
+def captured_decode(model: torch.nn.Module, cache: KVCache) -> CompiledDecode:
+    """The captured decode step of ``model`` over ``cache``: made on first use and kept with the
+    cache (``cache.captured``), so every later generation with the same cache replays it."""
+    if cache.captured is None or cache.captured.model is not model:
+        cache.captured = CompiledDecode(model, cache)
+    return cache.captured
+
+
+def _leaves(cache: KVCache):
+    """Every single-head or whole-layer cache of ``cache`` (head-wise layers hold one per head)."""
+    for layer in cache.layers:
+        yield from getattr(layer, "heads", [layer])
