@@ -26,6 +26,7 @@ from ..base import CacheSpec, Step
 from ..candidates import Candidates
 from ..evicting import PROTECTED, EvictingCache, require_room
 from ..options import option
+from ..snapshot import check_tensors
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,52 @@ class ExpectedAttentionCache(EvictingCache):
     def nbytes(self) -> int:
         stats = [t for t in (self._count, self._sum, self._outer) if t is not None]
         return super().nbytes() + sum(t.numel() * t.element_size() for t in stats)
+
+    # ----- state (snapshots): the query sums besides the slots -------------------------------
+    # Before the first call the sums are not allocated (the number of query heads is unknown);
+    # they are then given as zero query heads, (B, 0, D) and (B, 0, D, D). Unallocated sums and
+    # zero sums behave alike, since every call observes (and allocates) before it ranks.
+    def state(self) -> dict[str, torch.Tensor]:
+        state = super().state()
+        B, D = self.spec.batch_size, self.spec.head_dim
+        state["query_count"] = self._count
+        state["query_sum"] = self._count.new_zeros(B, 0, D) if self._sum is None else self._sum
+        state["query_outer"] = self._count.new_zeros(B, 0, D, D) if self._outer is None else self._outer
+        return state
+
+    def check_state(self, state, rows: int) -> None:
+        sums = ("query_sum", "query_outer")
+        live = {k: t for k, t in self.state().items() if k not in sums}
+        check_tensors(live, {k: t for k, t in state.items() if k not in sums}, rows, "the expected_attention layer")
+        Hkv, D = self.spec.num_kv_heads, self.spec.head_dim
+        s, o = state["query_sum"], state["query_outer"]
+        Hq = s.shape[1] if s.dim() == 3 else -1
+        mine = None if self._sum is None else self._sum.shape[1]
+        if (s.dtype != torch.float32 or o.dtype != torch.float32 or s.shape != (rows, Hq, D)
+                or o.shape != (rows, Hq, D, D) or Hq % Hkv or (Hq and mine not in (None, Hq))):
+            raise ValueError(
+                f"the expected_attention layer: query sums of shapes {tuple(s.shape)} and {tuple(o.shape)} "
+                f"do not fit (B, Hq, {D}) and (B, Hq, {D}, {D}) float32 with Hq a multiple of {Hkv}"
+                + (f" equal to {mine}" if mine is not None else "")
+            )
+
+    def load_state(self, state, rows: torch.Tensor) -> None:
+        sums = ("query_sum", "query_outer")
+        super().load_state({k: t for k, t in state.items() if k not in sums}, rows)
+        s, o = state["query_sum"], state["query_outer"]
+        if s.shape[1] and self._sum is None:
+            # Ordinary tensors even under inference mode, so the cache works outside it too.
+            with torch.inference_mode(False):
+                self._sum = self._count.new_zeros(self.spec.batch_size, *s.shape[1:])
+                self._outer = self._count.new_zeros(self.spec.batch_size, *o.shape[1:])
+        if self._sum is None:
+            return
+        if s.shape[1]:
+            self._sum.index_copy_(0, rows.to(self._sum.device), s.to(self._sum.device))
+            self._outer.index_copy_(0, rows.to(self._outer.device), o.to(self._outer.device))
+        else:
+            self._sum[rows.to(self._sum.device)] = 0.0
+            self._outer[rows.to(self._outer.device)] = 0.0
 
     def observe(self, c: Candidates) -> None:
         q, step = c.queries.float(), c.step
