@@ -33,6 +33,15 @@ same through ``reserve`` (cache_length = kept + the tokens that follow, reserve 
 while its sink policy keeps ``kept`` slots and evicts as tokens arrive (see docs/vs_kvpress.md
 for what differs per pair).
 
+Engines on the kvcache side (``--kvcache-engine``):
+    native      kvcache's own model (``kvcache.load``) and ``kvcache.generate`` (the default).
+    hf          kvcache's policies inside the same transformers ``LlamaForCausalLM`` class kvpress
+                runs (a second instance from the same checkpoint), through ``kvcache.hf``: a
+                ``kvcache.hf.make_cache`` cache as ``past_key_values`` and
+                ``attn_implementation="kvcache"``, driven token for token like the kvpress path.
+                Both engines then run the same model code, and each is compared with that model's
+                own uncompressed forward.
+
 Set-up (kvpress 0.5.5 pins transformers < 5.3, so it gets its own virtual environment; kvcache
 installs into the same one, so both engines run in ONE process):
 
@@ -46,7 +55,7 @@ Usage:
     /work/kvpress-venv/bin/python benchmarks/vs_kvpress.py --model DIR [--texts DIR]
         [--ratios 0.25,0.5,0.75] [--lengths 1024] [--depths 0,0.25,0.5,0.75,1] [--trials 4]
         [--samples 4] [--continuation 64] [--repeats 3] [--presses NAME,...] [--quick]
-        [--out FILE.json] [--markdown FILE.md] [--threads 1]
+        [--out FILE.json] [--markdown FILE.md] [--threads 1] [--kvcache-engine native|hf]
     /work/kvpress-venv/bin/python benchmarks/vs_kvpress.py --make-tiny DIR   # random test model
 
 Prints one JSON object on stdout (also to ``--out``); progress goes to stderr.
@@ -177,8 +186,9 @@ def kvpress_continuation(hf, press, context: torch.Tensor, cont: torch.Tensor) -
 # kvcache side
 
 
-def kvcache_cache(model, pair: Pair, kept: int, context: int, total: int):
+def kvcache_cache(model, pair: Pair, kept: int, context: int, total: int, make=kvcache.make_cache):
     """The counterpart of a press that keeps ``kept`` of ``context`` tokens, for ``total`` tokens in all.
+    ``make`` is ``kvcache.make_cache`` (kvcache's model) or ``kvcache.hf.make_cache`` (a transformers model).
 
     Scoring policies get ``reserve`` slots for the tokens after the context: the context is
     compressed to ``kept`` once and the cache then grows, as kvpress's DynamicCache does. (The
@@ -186,11 +196,11 @@ def kvcache_cache(model, pair: Pair, kept: int, context: int, total: int):
     Ring policies (sink) have no reserve: they keep ``kept`` slots and evict as tokens arrive.
     """
     if pair.policy == "dense":
-        return kvcache.make_cache(model, "dense", cache_length=total)
+        return make(model, "dense", cache_length=total)
     if pair.policy == "sink":
-        return kvcache.make_cache(model, pair.policy, cache_length=kept, **pair.options)
+        return make(model, pair.policy, cache_length=kept, **pair.options)
     reserve = max(0, min(total - context, context - kept - 1))
-    return kvcache.make_cache(model, pair.policy, cache_length=kept + reserve, reserve=reserve, **pair.options)
+    return make(model, pair.policy, cache_length=kept + reserve, reserve=reserve, **pair.options)
 
 
 def kvcache_answer(model, pair: Pair, prompt: list[int], context: int, kept: int, n_new: int) -> list[int]:
@@ -206,6 +216,38 @@ def kvcache_continuation(model, pair: Pair, context: torch.Tensor, cont: torch.T
     cache = kvcache_cache(model, pair, kept, context.shape[1], context.shape[1] + cont.shape[1])
     model(context, cache, last_only=True)
     return model(cont, cache)[0].float()
+
+
+# kvcache through kvcache.hf: a transformers model with a kvcache cache as past_key_values
+
+
+def hf_cache(hf, pair: Pair, kept: int, context: int, total: int):
+    import kvcache.hf
+
+    return kvcache_cache(hf, pair, kept, context, total, make=kvcache.hf.make_cache)
+
+
+@torch.inference_mode()
+def kvcache_hf_answer(hf, pair: Pair, prompt: list[int], context: int, kept: int, n_new: int) -> list[int]:
+    """The kvpress path's calls with a kvcache cache: the context alone (no lm head; the cache
+    compresses it as it overflows), the question, then greedy decode. Positions come from the
+    cache (the tokens it has seen), so none are passed."""
+    cache = hf_cache(hf, pair, kept, context, len(prompt) + n_new)
+    ids = torch.tensor([prompt])
+    hf.model(input_ids=ids[:, :context], past_key_values=cache)
+    logits = hf(input_ids=ids[:, context:], past_key_values=cache, logits_to_keep=1).logits
+    out = [logits[0, -1].argmax()]
+    for _ in range(n_new - 1):
+        logits = hf(input_ids=out[-1].view(1, 1), past_key_values=cache).logits
+        out.append(logits[0, -1].argmax())
+    return [int(t) for t in out]
+
+
+@torch.inference_mode()
+def kvcache_hf_continuation(hf, pair: Pair, context: torch.Tensor, cont: torch.Tensor, kept: int) -> torch.Tensor:
+    cache = hf_cache(hf, pair, kept, context.shape[1], context.shape[1] + cont.shape[1])
+    hf.model(input_ids=context, past_key_values=cache)
+    return hf(input_ids=cont, past_key_values=cache).logits[0].float()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,6 +315,14 @@ def run(args) -> dict:
     model = kvcache.load(args.model, dtype=torch.float32)
     hf = transformers.LlamaForCausalLM.from_pretrained(args.model, dtype=torch.float32,
                                                        attn_implementation="sdpa").eval()
+    if args.kvcache_engine == "hf":
+        # The same model class and weights; kvcache.hf.make_cache switches this instance to
+        # attn_implementation="kvcache", while kvpress's keeps SDPA.
+        engine = transformers.LlamaForCausalLM.from_pretrained(args.model, dtype=torch.float32,
+                                                               attn_implementation="sdpa").eval()
+        answer, continuation = kvcache_hf_answer, kvcache_hf_continuation
+    else:
+        engine, answer, continuation = model, kvcache_answer, kvcache_continuation
     stream = read_texts(args.texts, tok)
     passkey, windows, q_len = build_tasks(args, stream, tok)
     log(f"{len(passkey)} passkey prompts, {len(windows)} agreement windows, question {q_len} tokens")
@@ -287,7 +337,8 @@ def run(args) -> dict:
             ids = torch.tensor([w["context"] + w["continuation"]])
             L = len(w["context"])
             ref_hf.append(hf(input_ids=ids).logits[0, L:].float())
-            ref_kv.append(model(ids)[0, L:].float())
+            # The hf engine's own uncompressed forward is the transformers model's.
+            ref_kv.append(ref_hf[-1] if args.kvcache_engine == "hf" else model(ids)[0, L:].float())
 
     report: dict = {
         "setup": {
@@ -295,6 +346,7 @@ def run(args) -> dict:
             "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "kvpress": getattr(kvpress, "__version__", "0.5.5"),
             "kvcache": kvcache.__version__, "dtype": "float32", "device": "cpu",
+            "kvcache_engine": args.kvcache_engine,
             "kvpress_attention": "sdpa (eager for ObservedAttentionPress)",
             "kept_tokens": "int((1 - ratio) * context), kvpress's compute_n_kept",
         },
@@ -330,7 +382,7 @@ def run(args) -> dict:
                     entry = {"length": t["length"], "depth": t["depth"], "trial": t["trial"], "kept": kept,
                              "kvpress": a_press == t["answer"]}
                     if pair.policy:
-                        a_kv = kvcache_answer(model, pair, t["prompt"], ctx, kept, n_new)
+                        a_kv = answer(engine, pair, t["prompt"], ctx, kept, n_new)
                         entry["kvcache"] = a_kv == t["answer"]
                         entry["same_answer"] = a_kv == a_press
                     per_task.append(entry)
@@ -342,7 +394,7 @@ def run(args) -> dict:
                     lp = kvpress_continuation(hf, press, ctx, cont)
                     entry = {"length": w["length"], "kept": kept, "kvpress": compare(rh, lp)}
                     if pair.policy:
-                        lk = kvcache_continuation(model, pair, ctx, cont, kept)
+                        lk = continuation(engine, pair, ctx, cont, kept)
                         entry["kvcache"] = compare(rk, lk)
                         entry["cross_engine"] = compare(lp, lk)
                         entry["max_abs_logit_diff"] = (lp - lk).abs().max().item()
@@ -358,7 +410,7 @@ def run(args) -> dict:
                         kvpress_answer, hf, press, prompt[:, :ctx], prompt[:, ctx:], n_new), 1))
                     if pair.policy:
                         times["kvcache"] = min(times["kvcache"], best_time(partial(
-                            kvcache_answer, model, pair, t["prompt"], ctx, kept, n_new), 1))
+                            answer, engine, pair, t["prompt"], ctx, kept, n_new), 1))
             for name, out in engines.items():
                 if out is None:
                     continue
@@ -436,7 +488,10 @@ def markdown(report: dict) -> str:
     a = report["args"]
     lines = [
         (f"kvcache vs kvpress {s['kvpress']} (transformers {s['transformers']}, torch {s['torch']}), "
-        f"model `{s['model']}`, fp32 CPU, {s['threads']} thread(s), one process. Passkey: lengths "
+        f"model `{s['model']}`, fp32 CPU, {s['threads']} thread(s), one process, kvcache engine "
+        f"`{s.get('kvcache_engine', 'native')}`"
+        + (" (kvcache's policies inside transformers' LlamaForCausalLM through kvcache.hf)"
+           if s.get("kvcache_engine") == "hf" else "") + ". Passkey: lengths "
         f"{a['lengths']}, depths {a['depths']}, {a['trials']} trial(s) each, query-agnostic. Agreement: "
         f"{a['samples']} window(s) per length, {a['continuation']} continuation tokens, against each "
         f"engine's own dense forward; 'top-1 kvcache vs kvpress' compares the two compressed engines "
@@ -535,6 +590,9 @@ def main(argv=None) -> None:
                     help="subset of: dense," + ",".join(p.press for p in PAIRS[1:]))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--kvcache-engine", choices=("native", "hf"), default="native",
+                    help="kvcache's own model (native), or kvcache's policies inside the transformers "
+                         "LlamaForCausalLM through kvcache.hf (hf)")
     ap.add_argument("--quick", action="store_true",
                     help="lengths 512, depth 0.5, 1 trial, 1 window of 32 continuation tokens, 1 repeat")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")

@@ -16,7 +16,7 @@ from conftest import FAMILIES, HIDDEN, VOCAB, _COMMON, build_hf_model
 
 # Families kvcache does not implement, whose attention goes through transformers' interface.
 # granite scales its scores by attention_multiplier, not 1/sqrt(head_dim).
-OTHER_FAMILIES = ["phi3", "gemma", "granite"]
+OTHER_FAMILIES = ["phi3", "gemma", "granite", "olmo2"]
 
 
 def _other_config(name: str):
@@ -33,6 +33,9 @@ def _other_config(name: str):
     if name == "granite":
         return transformers.GraniteConfig(**_COMMON, attention_multiplier=0.1, embedding_multiplier=2.0,
                                           residual_multiplier=0.5, logits_scaling=2.0, tie_word_embeddings=False)
+    if name == "olmo2":
+        # Its query and key norms span all heads, before the split into heads.
+        return transformers.Olmo2Config(**_COMMON, tie_word_embeddings=False)
     if name == "gemma2":
         return transformers.Gemma2Config(**_COMMON, head_dim=16, tie_word_embeddings=True)
     if name == "gemma2_nocap":
