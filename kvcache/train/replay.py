@@ -24,6 +24,23 @@ from ..cache.base import LayerCache, Step
 from ..cache.evicting import EvictingCache
 
 
+def sink_biased(q, q_sink, k, v, q_pos, k_pos, rule: dict) -> torch.Tensor:
+    """Attention in which the keys at positions below ``rule["sinks"]`` are scored with ``q_sink``
+    (renumbered sinks), as one fused call: their columns get ``(q_sink - q) . k / sqrt(D)`` added
+    as a float mask, the trick ``attention.causal`` uses, so only those few columns are computed
+    twice. q, q_sink: (B, Hq, n, D); k, v: (B, Hkv, N, D); q_pos: (B, n); k_pos: (B, 1, N), the
+    same sink columns in every row (a uniform batch of a position-keyed ring) -> (B, Hq, n, D)."""
+    B, Hq, n, D = q.shape
+    Hkv = k.shape[1]
+    cols = ((k_pos[0, 0] >= 0) & (k_pos[0, 0] < rule["sinks"])).nonzero().squeeze(1)
+    delta = (q_sink - q).reshape(B, Hkv, -1, D) @ k[:, :, cols].transpose(-1, -2)  # (B, Hkv, G*n, ns)
+    bias = q.new_zeros(B, Hq, n, k.shape[2])
+    bias[..., cols] = delta.view(B, Hq, n, -1) * D**-0.5
+    visible = attention.visibility(q_pos, k_pos, rule["window"], rule["sinks"], rule["limit"])  # (B, 1, n, N)
+    bias = bias.masked_fill(~visible, float("-inf"))
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=Hq != Hkv)
+
+
 class KeyValueStore:
     """Keys and values of every position of the sequence for one layer, as its cache attended them.
 
@@ -140,9 +157,7 @@ class Replay(LayerCache):
         cand_pos = torch.cat((self.kept_pos, new_pos), dim=2)
         if q_sink is None:
             return attention.masked(q, cand_k, cand_v, step.positions, cand_pos, **rule)
-        out, _, _ = attention.masked_with_weights(q, cand_k, cand_v, step.positions, cand_pos,
-                                                  step.valid.float(), q_sink=q_sink, **rule)
-        return out
+        return sink_biased(q, q_sink, cand_k, cand_v, step.positions, cand_pos, rule)
 
     def reset(self) -> None:
         pass

@@ -1,0 +1,163 @@
+"""The fine-tuning loop: AdamW over rows of token ids, each row's loss computed chunk by chunk
+through a bounded cache (``chunked_loss``), with gradient accumulation, a warm-up and cosine
+learning-rate schedule, gradient clipping, bf16 autocast on CUDA and a progress bar with the
+loss and tokens per second."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from tqdm import tqdm
+
+from .chunked import chunked_loss
+
+
+@dataclass
+class FinetuneConfig:
+    """What ``finetune`` does. Sizes are in tokens."""
+
+    policy: str = "h2o"
+    cache_length: int = 1024
+    chunk: int = 512
+    policy_options: dict = field(default_factory=dict)
+    steps: int = 100
+    lr: float = 2e-4
+    warmup: int = 10
+    batch_size: int = 1          # rows per micro-batch (one chunked_loss call)
+    grad_accum: int = 1          # micro-batches per optimizer step
+    weight_decay: float = 0.0
+    clip: float = 1.0
+    seed: int = 0
+    log_every: int = 1
+    # Stop after the step that passes this wall-clock budget (the schedule still spans ``steps``).
+    max_minutes: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("cache_length", "chunk", "steps", "batch_size", "grad_accum"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.chunk > self.cache_length:
+            raise ValueError(
+                f"chunk ({self.chunk}) is larger than the cache (cache_length={self.cache_length}): a chunk's "
+                "activations would then exceed what the cache bounds; use a chunk of at most the cache length"
+            )
+        if self.lr <= 0 or self.warmup < 0:
+            raise ValueError(f"lr must be positive and warmup >= 0, got lr={self.lr}, warmup={self.warmup}")
+
+
+def lr_at(step: int, config: FinetuneConfig) -> float:
+    """Linear warm-up, then cosine decay to a tenth of ``lr`` at the last step."""
+    if step < config.warmup:
+        return config.lr * (step + 1) / config.warmup
+    progress = min(1.0, (step - config.warmup) / max(1, config.steps - config.warmup))
+    return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def check_rows(seq_len: int, config: FinetuneConfig) -> None:
+    """Raise ValueError if rows of ``seq_len`` tokens do not suit ``config``."""
+    if seq_len < config.chunk:
+        raise ValueError(
+            f"the sequence ({seq_len} tokens) is shorter than one chunk ({config.chunk}): nothing would go "
+            "through the cache; use a longer --seq-len or a smaller --chunk"
+        )
+
+
+def finetune(
+    model: torch.nn.Module,
+    rows: torch.Tensor,
+    config: FinetuneConfig,
+    *,
+    weights: torch.Tensor | None = None,
+    batches: Callable[[int], tuple[torch.Tensor, torch.Tensor | None]] | None = None,
+    log: str | Path | None = None,
+    on_step: Callable[[int, dict], None] | None = None,
+    progress: bool = True,
+) -> list[dict]:
+    """Train ``model`` in place (a ``kvcache.Transformer``, or one wrapped by ``add_lora``).
+
+    rows:    (N, T) token ids; each micro-batch takes ``batch_size`` rows in a shuffled order
+             that is drawn anew every pass over the data.
+    weights: (N, T) optional per-token loss weights (see ``chunked_loss``).
+    batches: instead of rows, a function of the micro-batch index returning (ids (B, T), weights
+             or None): rows generated on the fly (``rows`` then only gives T).
+    log:     a JSONL file that receives one record per ``log_every`` steps.
+    on_step: called after every optimizer step with (step, record).
+    Returns the records. On CUDA the forward runs under bf16 autocast with float32 weights.
+    """
+    check_rows(rows.shape[1], config)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("no parameter of the model requires grad: nothing to train")
+    device = params[0].device
+    decay = [p for p in params if p.dim() >= 2]
+    other = [p for p in params if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
+                                   {"params": other, "weight_decay": 0.0}],
+                                  lr=config.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+    generator = torch.Generator().manual_seed(config.seed)
+    order = torch.randperm(rows.shape[0], generator=generator)
+    cursor = 0
+
+    def next_batch(index: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        nonlocal order, cursor
+        if batches is not None:
+            return batches(index)
+        if cursor + config.batch_size > len(order):
+            order, cursor = torch.randperm(rows.shape[0], generator=generator), 0
+        pick = order[cursor : cursor + config.batch_size]
+        cursor += config.batch_size
+        return rows[pick], None if weights is None else weights[pick]
+
+    records, sink = [], None if log is None else open(log, "a")
+    model.train()
+    bar = tqdm(total=config.steps, disable=not progress, unit="step", dynamic_ncols=True)
+    start, tokens = time.time(), 0
+    try:
+        for step in range(config.steps):
+            lr = lr_at(step, config)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            total = 0.0
+            for micro in range(config.grad_accum):
+                ids, w = next_batch(step * config.grad_accum + micro)
+                ids = ids.to(device)
+                w = None if w is None else w.to(device)
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                    loss = chunked_loss(model, ids, weights=w, policy=config.policy, cache_length=config.cache_length,
+                                        chunk=config.chunk, **config.policy_options)
+                (loss / config.grad_accum).backward()
+                total += loss.item() / config.grad_accum
+                tokens += ids.numel()
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, config.clip))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            elapsed = time.time() - start
+            record = {"step": step + 1, "loss": round(total, 4), "lr": round(lr, 8), "grad_norm": round(grad_norm, 4),
+                      "tokens": tokens, "seconds": round(elapsed, 1), "tokens_per_s": round(tokens / elapsed, 1)}
+            records.append(record)
+            bar.set_postfix(loss=f"{total:.4f}", tok_s=f"{tokens / elapsed:.0f}")
+            bar.update()
+            if sink is not None and (step + 1) % config.log_every == 0:
+                sink.write(json.dumps(record) + "\n")
+                sink.flush()
+            if on_step is not None:
+                on_step(step + 1, record)
+            if config.max_minutes is not None and elapsed > 60 * config.max_minutes:
+                break
+    finally:
+        bar.close()
+        if sink is not None:
+            sink.close()
+    model.eval()
+    return records
+
+
+def describe(config: FinetuneConfig) -> dict:
+    """The config as a JSON-ready dict (for training.json)."""
+    return asdict(config)
