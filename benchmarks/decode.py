@@ -148,6 +148,52 @@ def run_kvcache(model, prompt: list[int], n: int) -> dict:
     return timing(t0, stamps, tokens, len(prompt))
 
 
+# Captured engines keep one cache (kvcache) or one compiled static-cache model per prompt shape;
+# the first call for a shape captures (untimed, its seconds recorded as compile_s).
+_CAPTURED: dict[tuple, object] = {}
+COMPILE_S: dict[tuple, float] = {}
+
+
+def run_kvcache_compiled(model, prompt: list[int], n: int) -> dict:
+    """kvcache with ``compile=True`` over a cache kept per shape, so every timed run replays the capture."""
+    key = ("kvcache", id(model), len(prompt), n)
+    if key not in _CAPTURED:
+        cache = kvcache.make_cache(model, "dense", cache_length=len(prompt) + n)
+        start = time.perf_counter()
+        kvcache.generate(model, prompt, max_new_tokens=n, stop_tokens=(), cache=cache, compile=True)
+        COMPILE_S[key] = time.perf_counter() - start
+        _CAPTURED[key] = cache
+    stamps: list[float] = []
+    t0 = time.perf_counter()
+    tokens = kvcache.generate(model, prompt, max_new_tokens=n, stop_tokens=(), cache=_CAPTURED[key], compile=True,
+                              on_token=lambda row, token: stamps.append(time.perf_counter()))
+    return {**timing(t0, stamps, tokens, len(prompt)), "compile_s": COMPILE_S[key]}
+
+
+def run_transformers_compiled(model, prompt: list[int], n: int) -> dict:
+    """transformers' static cache with ``torch.compile(model.forward)`` (fullgraph); the first
+    call per shape compiles."""
+    key = ("transformers", id(model), len(prompt), n)
+    if key not in COMPILE_S:
+        start = time.perf_counter()
+        run_transformers(model, prompt, n)
+        COMPILE_S[key] = time.perf_counter() - start
+    return {**run_transformers(model, prompt, n), "compile_s": COMPILE_S[key]}
+
+
+def compiled_transformers(path: Path):
+    """A second transformers model of the same weights, static cache and compiled forward."""
+    from transformers import LlamaForCausalLM
+
+    hf = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.bos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    hf.generation_config.cache_implementation = "static"
+    hf.forward = torch.compile(hf.forward, fullgraph=True)
+    return hf
+
+
 class _StampStreamer:
     """transformers streamer that timestamps each ``put`` (the first one is the prompt)."""
 
@@ -301,10 +347,25 @@ def bench_shape(name: str, hf, kv, bandwidth: float, args) -> dict:
     log(f"[{name}] prompt {prompt_len} tokens, {n} new tokens (transformers: {n_hf})")
 
     load_before = os.getloadavg()
-    res = bench_engines(
-        {"kvcache": (run_kvcache, kv, n), "transformers": (run_transformers, hf, n_hf)}, prompt, args.repeats
-    )
+    engines = {"kvcache": (run_kvcache, kv, n), "transformers": (run_transformers, hf, n_hf)}
+    if args.compiled:
+        engines["kvcache_compiled"] = (run_kvcache_compiled, kv, n)
+        engines["transformers_static_compiled"] = (run_transformers_compiled, compiled_transformers(args.path_of[model_key]), n_hf)
+    res = bench_engines(engines, prompt, args.repeats)
     k_res, h_res = res["kvcache"], res["transformers"]
+    compiled = {}
+    if args.compiled:
+        kc, hc = res["kvcache_compiled"], res["transformers_static_compiled"]
+        for engine in (kc, hc):
+            engine["compile_s"] = engine["runs"][0]["compile_s"]
+            engine.pop("tokens")
+        compiled = {
+            "kvcache_compiled": kc, "transformers_static_compiled": hc,
+            "decode_ratio_compiled_kvcache_over_transformers": kc["decode_tok_s"] / hc["decode_tok_s"],
+            "decode_ratio_kvcache_compiled_over_eager": kc["decode_tok_s"] / k_res["decode_tok_s"],
+        }
+        log(f"  => compiled decode kvcache {kc['decode_tok_s']:.1f} tok/s (compile {kc['compile_s']:.1f} s), "
+            f"transformers static {hc['decode_tok_s']:.1f} tok/s (compile {hc['compile_s']:.1f} s)")
     load_after = os.getloadavg()
 
     kt, ht = k_res.pop("tokens"), h_res.pop("tokens")
@@ -340,6 +401,7 @@ def bench_shape(name: str, hf, kv, bandwidth: float, args) -> dict:
         "greedy_compared": common,
         "prefill_ratio_kvcache_over_transformers": k_res["prefill_tok_s"] / h_res["prefill_tok_s"],
         "decode_ratio_kvcache_over_transformers": ratio,
+        **compiled,
         "floor_decode_ratio": floor,
         "floor_pass": None if floor is None else ratio >= floor,
         "roofline": {
@@ -380,6 +442,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--working-set-bandwidth", action=argparse.BooleanOptionalAction, default=True,
                    help="also measure x.sum() bandwidth over a tensor the size of one token's reads")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    p.add_argument("--compiled", action="store_true",
+                   help="also time kvcache with compile=True and transformers' static cache with a compiled forward")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = p.parse_args(argv)
 
@@ -430,12 +494,14 @@ def main(argv: list[str] | None = None) -> int:
     }
 
     models: dict[str, tuple] = {}
+    args.path_of = {}
     with tempfile.TemporaryDirectory(prefix="kvcache-bench-") as tmp:
         for name in shapes:
             key = SHAPES[name][0]
             if key not in models:
                 log(f"building random Llama {key}")
                 models[key] = build_models(key, Path(tmp))
+                args.path_of[key] = Path(tmp) / key
             hf, kv = models[key]
             result["shapes"][name] = bench_shape(name, hf, kv, bandwidth, args)
 

@@ -249,6 +249,9 @@ def _add_generate(commands) -> None:
                             "without evicting (e.g. compress the prompt once, then generate N tokens; default: 0)")
     cache.add_argument("--prefill-chunk", type=_int_at_least(1), default=DEFAULT_PREFILL_CHUNK, metavar="N",
                        help=f"prompt tokens per forward pass (default: {DEFAULT_PREFILL_CHUNK})")
+    cache.add_argument("--compile", action="store_true",
+                       help="decode through a captured step (torch.compile; CUDA graphs on CUDA): a one-time "
+                            "compilation, then faster steps; not with --reserve")
     _add_policy_options(gen)
 
 
@@ -421,7 +424,7 @@ def _generate(args: argparse.Namespace) -> None:
         new = generate(
             model, ids, max_new_tokens=max_new, cache=cache, seed=args.seed, stop_tokens=_stop_tokens(model, tokenizer, defaults),
             stop_strings=stop_strings or None, tokenizer=tokenizer, prefill_chunk=args.prefill_chunk,
-            on_token=on_token, on_prefill=on_prefill, **decoding,
+            on_token=on_token, on_prefill=on_prefill, compile=args.compile, **decoding,
         )
     except GenerationError as e:
         new, failure = e.tokens, e  # print what was made, then report the error
@@ -475,10 +478,16 @@ def _print_summary(ids, new, clock: Clock, end: float, cache) -> None:
     decoded = sum(max(len(row) - 1, 0) for row in new)
     decode_s = max((clock.last[i] for i in range(len(new)) if clock.last[i] is not None), default=end) - (
         min((t for t in clock.first if t is not None), default=end))
+    compiled = ""
+    if cache.captured is not None and cache.captured.compile_s is not None:
+        # The first decode step captured the step: its time is reported apart, not as decoding.
+        decode_s -= cache.captured.compile_s
+        decoded -= sum(len(row) > 1 for row in new)
+        compiled = f"compile: {cache.captured.compile_s:.1f} s | "
     batch = f"prompts: {len(ids)} | " if len(ids) > 1 else ""
     print(
         f"{batch}prompt tokens: {sum(map(len, ids))} | new tokens: {sum(map(len, new))} | "
-        f"prefill: {_rate(sum(map(len, ids)), clock.prefill_s(end))} | decode: {_rate(decoded, decode_s)} | "
+        f"prefill: {_rate(sum(map(len, ids)), clock.prefill_s(end))} | {compiled}decode: {_rate(decoded, decode_s)} | "
         f"cache memory: {_human_bytes(cache.nbytes())} ({cache.policy}, {cache.cache_length} slots)",
         file=sys.stderr,
     )

@@ -14,6 +14,8 @@ appending and evicting, which is a decision the captured step does not make.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from .cache.base import KVCache, Step
@@ -30,18 +32,15 @@ class CompiledDecode:
 
     def __init__(self, model: torch.nn.Module, cache: KVCache, *, backend: str = "inductor",
                  mode: str | None = None) -> None:
-        reserved = sorted({layer.spec.reserve for layer in _leaves(cache)} - {0})
-        if reserved:
-            raise ValueError(
-                f"a captured decode step does not support reserve (got reserve={reserved[0]}): batched "
-                "eviction alternates between appending and evicting. Use compile=False, or reserve=0."
-            )
+        check_capturable(cache)
         cache.check_model(model)
         self.model, self.cache = model, cache
         device = model.embed_tokens.weight.device
         if mode is None and device.type == "cuda":
             mode = "reduce-overhead"
         self._cuda_graphs = mode == "reduce-overhead"
+        # Seconds the first call took: the capture (tracing, compiling) plus one step.
+        self.compile_s: float | None = None
         self._step = torch.compile(self._forward, fullgraph=True, dynamic=False, backend=backend, mode=mode)
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -60,7 +59,14 @@ class CompiledDecode:
                 f"cache_length is {limit}. Make the cache with a larger cache_length, or use an evicting policy."
             )
         positions = cache.lengths[:, None].to(tokens.device, non_blocking=True)
-        logits = self._step(tokens, positions)
+        if self.compile_s is None:
+            start = time.perf_counter()
+            logits = self._step(tokens, positions)
+            if logits.is_cuda:
+                torch.cuda.synchronize()  # once: the capture is over when its first step is
+            self.compile_s = time.perf_counter() - start
+        else:
+            logits = self._step(tokens, positions)
         cache.advance_decode()
         # A CUDA graph's output lives in memory the next replay overwrites.
         return logits.clone() if self._cuda_graphs else logits
@@ -72,6 +78,16 @@ def captured_decode(model: torch.nn.Module, cache: KVCache) -> CompiledDecode:
     if cache.captured is None or cache.captured.model is not model:
         cache.captured = CompiledDecode(model, cache)
     return cache.captured
+
+
+def check_capturable(cache: KVCache) -> None:
+    """Raise ValueError if the decode steps of ``cache`` cannot be captured (batched eviction)."""
+    reserved = sorted({layer.spec.reserve for layer in _leaves(cache)} - {0})
+    if reserved:
+        raise ValueError(
+            f"a captured decode step does not support reserve (got reserve={reserved[0]}): batched "
+            "eviction alternates between appending and evicting. Use compile=False, or reserve=0."
+        )
 
 
 def _leaves(cache: KVCache):

@@ -11,7 +11,7 @@ import torch
 from .cache.base import KVCache
 from .cache.registry import make_cache
 from .checkpoint import Tokenizer
-from .compile import captured_decode
+from .compile import captured_decode, check_capturable
 from .errors import CapacityError, GenerationError
 from .model import Transformer
 
@@ -286,7 +286,11 @@ def generate(
         raise ValueError(f"the cache was made for batch_size={cache.batch_size}, but there are {B} prompts")
     _check_capacity(cache, longest, max_new_tokens)
     if compile:
-        decode = captured_decode(model, cache)
+        check_capturable(cache)
+
+        def decode(tokens: torch.Tensor) -> torch.Tensor:
+            # Made on the first decode step, so that setting up the compiler does not delay the prefill.
+            return captured_decode(model, cache)(tokens)
     else:
         def decode(tokens: torch.Tensor) -> torch.Tensor:
             return model(tokens, cache)[:, -1]
