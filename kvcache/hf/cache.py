@@ -101,8 +101,9 @@ class HFLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         pass
 
-    def update(self, key_states, value_states, *args, **kwargs):
-        return self.cache.update(key_states, value_states, self.index)
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
+               cache_kwargs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cache.update(key_states, value_states, self.index, cache_kwargs)
 
     def get_seq_length(self) -> int:
         return self.cache.get_seq_length()
