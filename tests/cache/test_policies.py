@@ -407,3 +407,15 @@ def test_policies_run_with_autograd_enabled(llama, name, options):
     with torch.inference_mode():
         want = run()
     assert max_diff(got.detach(), want) <= 1e-5
+
+
+@pytest.mark.parametrize("storage", ["full", "int8"])
+@pytest.mark.parametrize("name", list(kvcache.policies()))
+def test_fully_padded_rows_give_finite_outputs(llama, name, storage):
+    """A row with no real token in a chunk (n_tokens 0) has queries that see no key: its outputs
+    are meaningless but finite (no NaN that a later reduction could spread), in every path."""
+    ids = ids_for(12, batch=2, seed=1, vocab=VOCAB)
+    cache = kvcache.make_cache(llama, f"{name}:{storage}", cache_length=32 if name == "dense" else 6, batch_size=2)
+    with torch.inference_mode():
+        for lo, hi, n in ((0, 5, [5, 0]), (5, 9, [0, 4]), (9, 12, [3, 0]), (0, 1, [0, 1])):
+            assert torch.isfinite(llama(ids[:, lo:hi], cache, n_tokens=n)).all()
