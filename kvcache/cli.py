@@ -1,4 +1,4 @@
-"""The ``kvcache`` command line: ``kvcache generate``, ``kvcache eval`` and ``kvcache policies``.
+"""The ``kvcache`` command line: ``kvcache generate``, ``kvcache eval``, ``kvcache finetune`` and ``kvcache policies``.
 
 Generated text goes to stdout (or one JSON object per prompt with ``--json``); progress, the
 summary and errors go to stderr, so the output can be piped.
@@ -274,12 +274,54 @@ def _add_eval(commands) -> None:
     ev.add_argument("--quick", action="store_true", help="a smoke run of well under a minute")
 
 
+def _add_finetune(commands) -> None:
+    ft = commands.add_parser(
+        "finetune", help="fine-tune on long rows, chunk by chunk through a bounded KV cache",
+        description="Fine-tune a model (fully, or LoRA adapters through peft) on rows of --seq-len tokens, each "
+                    "fed --chunk tokens at a time through a --policy cache of --cache-length slots, with exact "
+                    "gradients through what the cache keeps (kvcache.chunked_loss). Writes a Hugging Face "
+                    "checkpoint (or, for LoRA without --merge-lora, a peft adapter), loss.jsonl and training.json.",
+    )
+    ft.add_argument("--data", nargs="+", required=True, metavar="FILE",
+                    help="text files (each a document) or .jsonl files (one document per line, in --field)")
+    ft.add_argument("--field", default="text", help="the text field of JSONL records (default: text)")
+    ft.add_argument("--seq-len", type=_int_at_least(2), default=8192, metavar="N", help="tokens per row (default: 8192)")
+    ft.add_argument("--out", required=True, metavar="DIR", help="where the checkpoint and logs go")
+    ft.add_argument("--model", metavar="DIR", help="checkpoint to start from (default: bundled)")
+    ft.add_argument("--device", type=_device, default="cpu", help="e.g. cpu, cuda (default: cpu; bf16 autocast on CUDA)")
+    ft.add_argument("--threads", type=_int_at_least(1), metavar="N", help=THREADS_HELP)
+    ft.add_argument("--quiet", action="store_true", help="no progress bar")
+    cache = ft.add_argument_group("cache")
+    cache.add_argument("--policy", default="h2o", help="cache policy[:storage] (default: h2o)")
+    cache.add_argument("--cache-length", type=_int_at_least(1), default=1024, metavar="N",
+                       help="cache slots per layer (default: 1024)")
+    cache.add_argument("--chunk", type=_int_at_least(1), default=512, metavar="N",
+                       help="tokens per model call, at most --cache-length (default: 512)")
+    training = ft.add_argument_group("training")
+    training.add_argument("--steps", type=_int_at_least(1), default=100, metavar="N", help="optimizer steps (default: 100)")
+    training.add_argument("--lr", type=_number, default=2e-4, metavar="LR", help="peak learning rate (default: 2e-4)")
+    training.add_argument("--warmup", type=_int_at_least(0), default=10, metavar="N", help="warm-up steps (default: 10)")
+    training.add_argument("--batch-size", type=_int_at_least(1), default=1, metavar="N", help="rows per micro-batch (default: 1)")
+    training.add_argument("--grad-accum", type=_int_at_least(1), default=1, metavar="N",
+                          help="micro-batches per optimizer step (default: 1)")
+    training.add_argument("--seed", type=int, default=0, metavar="S", help="seed for the row order (default: 0)")
+    training.add_argument("--lora-rank", type=_int_at_least(0), default=0, metavar="R",
+                          help="train rank-R LoRA adapters instead of every weight (needs peft; default: 0, full)")
+    training.add_argument("--lora-alpha", type=_number, metavar="A", help="LoRA scale numerator (default: the rank)")
+    training.add_argument("--lora-targets", type=_list(str), metavar="A,B",
+                          help="module names that get adapters (default: q_proj,k_proj,v_proj,o_proj)")
+    training.add_argument("--merge-lora", action="store_true",
+                          help="merge the adapters into the weights and write a full checkpoint")
+    _add_policy_options(ft)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcache", description="KV caching for decoder-only language models.")
     parser.add_argument("--version", action="version", version=f"kvcache {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     _add_generate(commands)
     _add_eval(commands)
+    _add_finetune(commands)
     commands.add_parser("policies", help="list the cache policies, their options and the storages")
     return parser
 
@@ -565,6 +607,14 @@ def _policies() -> None:
         print(f"{name:<{width}}  {description}")
 
 
+def _finetune(args: argparse.Namespace) -> None:
+    from .train.command import run
+
+    _set_threads(args.threads)
+    options = {k.removeprefix("opt_"): v for k, v in vars(args).items() if k.startswith("opt_") and v is not None}
+    run(args, options)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -572,6 +622,8 @@ def main(argv: list[str] | None = None) -> int:
             _generate(args)
         elif args.command == "eval":
             _eval(args)
+        elif args.command == "finetune":
+            _finetune(args)
         else:
             _policies()
     except (KVCacheError, ValueError) as e:

@@ -1,0 +1,55 @@
+"""What ``kvcache finetune`` does once its flags are parsed: load, check, build the rows, train
+(full or LoRA), save a Hugging Face checkpoint (or a LoRA adapter) and a loss log."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from ..cache.registry import make_cache
+from ..checkpoint import BUNDLED_MODEL, load, load_tokenizer
+from .data import token_rows
+from .lora import DEFAULT_TARGETS, add_lora, is_lora, merge_lora, save_adapter
+from .loop import FinetuneConfig, check_rows, describe, finetune
+from .save import read_config, save_checkpoint
+
+
+def run(args, options: dict) -> Path:
+    """Fine-tune as the parsed flags ``args`` say; ``options`` are the policy options given.
+    Returns the output directory. Raises ValueError (before any training) on bad settings."""
+    config = FinetuneConfig(policy=args.policy, cache_length=args.cache_length, chunk=args.chunk,
+                            policy_options=options, steps=args.steps, lr=args.lr, warmup=args.warmup,
+                            batch_size=args.batch_size, grad_accum=args.grad_accum, seed=args.seed)
+    check_rows(args.seq_len, config)
+    if args.lora_rank == 0 and args.merge_lora:
+        raise ValueError("--merge-lora needs --lora-rank: without LoRA the whole model is trained and saved")
+    source = Path(args.model) if args.model else BUNDLED_MODEL
+    torch.manual_seed(args.seed)
+    model = load(source, dtype=torch.float32, device=args.device)
+    # Options are checked (names, types, fit in the budget) before the data is read.
+    make_cache(model, config.policy, cache_length=config.cache_length, batch_size=1, **options)
+    tokenizer = load_tokenizer(source)
+    rows = token_rows(args.data, tokenizer, args.seq_len, field=args.field)
+    print(f"{rows.shape[0]} rows of {args.seq_len} tokens from {', '.join(args.data)}", file=sys.stderr)
+    if args.lora_rank:
+        targets = tuple(args.lora_targets) if args.lora_targets else DEFAULT_TARGETS
+        model = add_lora(model, args.lora_rank, alpha=args.lora_alpha, targets=targets)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "loss.jsonl").unlink(missing_ok=True)
+    records = finetune(model, rows, config, log=out / "loss.jsonl", progress=not args.quiet)
+    if is_lora(model) and not args.merge_lora:
+        save_adapter(model, out)
+        what = "LoRA adapter (peft format; --merge-lora writes a full checkpoint)"
+    else:
+        save_checkpoint(merge_lora(model), out, read_config(source), source=source)
+        what = "checkpoint"
+    (out / "training.json").write_text(json.dumps({
+        "source": str(source), "data": list(map(str, args.data)), "rows": rows.shape[0], "seq_len": args.seq_len,
+        "lora_rank": args.lora_rank, "config": describe(config), "final": records[-1] if records else None,
+    }, indent=2) + "\n")
+    print(f"wrote the {what} to {out}", file=sys.stderr)
+    return out
