@@ -13,7 +13,7 @@ from packaging.version import InvalidVersion, Version
 
 # Keep in step with the `hf` extra in pyproject.toml and the README. CI tests the oldest
 # (a second virtual environment in .ci/run) and the newest release.
-MINIMUM = "5.0"
+MINIMUM = "5.0.0"
 BELOW = "6"
 SUPPORTED = f">={MINIMUM},<{BELOW}"
 

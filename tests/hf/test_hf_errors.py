@@ -15,7 +15,7 @@ from kvcache.hf.version import check
 
 @pytest.mark.parametrize("version", ["4.57.1", "4.56.0", "6.0.0", "6.1.0.dev0"])
 def test_unsupported_transformers_version(version):
-    with pytest.raises(ImportError, match=r"transformers>=5\.0,<6.*" + version.replace(".", r"\.")):
+    with pytest.raises(ImportError, match=r"transformers>=5\.0\.0,<6.*" + version.replace(".", r"\.")):
         check(version)
 
 
