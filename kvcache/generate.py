@@ -14,6 +14,8 @@ from .checkpoint import Tokenizer
 from .compile import captured_decode, check_capturable
 from .errors import CapacityError, GenerationError
 from .model import Transformer
+from .prefill import prefill
+from .prefix import PrefixStore
 
 # on_token(row, token): called for every new token of every row still generating.
 TokenCallback = Callable[[int, int], None]
@@ -201,6 +203,8 @@ def generate(
     stop_strings: str | Sequence[str] | None = None,
     tokenizer: Tokenizer | None = None,
     prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
+    prefix_store: PrefixStore | None = None,
+    aligned: bool = False,
     on_token: TokenCallback | None = None,
     on_prefill: ProgressCallback | None = None,
     compile: bool = False,
@@ -245,6 +249,14 @@ def generate(
         prefill_chunk: prompt tokens per forward pass (default ``DEFAULT_PREFILL_CHUNK``, 512);
             None processes each prompt in one pass. Dense and window/sink caches give the same
             tokens for any chunking; h2o, tova and snapkv decide what to evict per chunk.
+        prefix_store: a ``kvcache.PrefixStore``: each row takes the longest prefix of its prompt
+            that the store holds (never the last token, whose logits start the generation),
+            only the rest is prefilled, and what was computed (for a dense cache, the generated
+            tokens too) is stored. Only exact token matches are reused. See docs/prefix.md.
+        aligned: prefill each prompt alone on a fixed grid of ``prefill_chunk`` positions, and
+            store prefixes at grid boundaries only, so that a run reusing a prefix makes the
+            same calls as a run without it: bitwise equal logits on one device (for a batch,
+            each prompt is prefilled alone, then the batch decodes together).
         on_token(row, token): called with each new token of each row as soon as it is sampled.
         on_prefill(done, total): called after each prefill chunk with the prompt tokens
             processed so far, over all rows, and the total.
@@ -285,6 +297,15 @@ def generate(
     elif cache.batch_size != B:
         raise ValueError(f"the cache was made for batch_size={cache.batch_size}, but there are {B} prompts")
     _check_capacity(cache, longest, max_new_tokens)
+    if not isinstance(aligned, bool):
+        raise ValueError(f"aligned must be True or False, got {aligned!r}")
+    if prefix_store is not None:
+        if not isinstance(prefix_store, PrefixStore):
+            raise ValueError(f"prefix_store must be a kvcache.PrefixStore, got {type(prefix_store).__name__}")
+        # Before the cache is reset: a store for another model or cache rejects the call here.
+        prefix_store.bind(model, cache, chunk=prefill_chunk, aligned=aligned)
+    elif aligned and prefill_chunk is None:
+        raise ValueError("aligned=True prefills on a fixed grid of prefill_chunk tokens: give a prefill_chunk")
     if compile:
         check_capturable(cache)
 
@@ -303,28 +324,15 @@ def generate(
         generator = torch.Generator(device=device).manual_seed(seed)
 
     # Prefill: chunk c holds tokens [c*step, (c+1)*step) of every row, right-padded.
-    chunk = prefill_chunk or longest
-    padded = torch.zeros(B, longest, dtype=torch.long)
-    for b, p in enumerate(rows):
-        padded[b, : len(p)] = torch.tensor(p)
-    padded = padded.to(device)
-    lengths_t = torch.tensor(lengths)
-    next_logits = torch.empty(B, cfg.vocab_size, device=device)
-    for begin in range(0, longest, chunk):
-        n = (lengths_t - begin).clamp(0, chunk)
-        logits = model(padded[:, begin : begin + chunk], cache, n_tokens=n, last_only=True)[:, 0]
-        # Rows whose prompt ends inside this chunk take their next-token logits from it.
-        ends_here = ((lengths_t > begin) & (lengths_t <= begin + chunk)).to(device)
-        next_logits = torch.where(ends_here[:, None], logits.to(next_logits.dtype), next_logits)
-        if on_prefill is not None:
-            on_prefill(int(lengths_t.clamp(max=begin + chunk).sum()), sum(lengths))
+    next_logits = prefill(model, cache, rows, chunk=prefill_chunk, store=prefix_store, aligned=aligned,
+                          on_prefill=on_prefill)
 
     # seen[b, t]: token t is in row b's prompt or output (for the repetition penalty only).
     seen = None
     if repetition_penalty != 1.0:
         seen = torch.zeros(B, cfg.vocab_size, dtype=torch.bool, device=device)
         for b, p in enumerate(rows):
-            seen[b, padded[b, : len(p)]] = True
+            seen[b, torch.tensor(p, device=device)] = True
     every_row = torch.arange(B, device=device)
 
     out: list[list[int]] = [[] for _ in range(B)]
@@ -357,4 +365,8 @@ def generate(
             "the exception's .tokens holds them",
             out[0] if single else out,
         ) from e
+    if prefix_store is not None:
+        # The cache holds each prompt and the new tokens fed back (all but the last one made).
+        for b in range(B):
+            prefix_store.add(cache, b, rows[b] + out[b][:-1], on_grid=False)
     return out[0] if single else out
