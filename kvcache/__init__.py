@@ -15,7 +15,9 @@ Quick start::
 
 ``kvcache.policies()`` lists the cache policies, ``kvcache.option_info(name)`` their options,
 ``kvcache.storages()`` the storages (``"h2o:int4"``). The command line is ``kvcache --help``;
-docs/ARCHITECTURE.md explains the design.
+docs/ARCHITECTURE.md explains the design. ``kvcache.chunked_loss(model, ids, policy=...,
+cache_length=..., chunk=...)`` is the loss of a long sequence fed through a bounded cache, with
+exact gradients, for fine-tuning (docs/finetune.md).
 """
 
 from .cache import KVCache, LayerCache, adaptive_head_budgets, make_cache, option_info, policies, policy_options, storages
@@ -24,6 +26,7 @@ from .config import ModelConfig, RopeConfig
 from .errors import CapacityError, CheckpointError, GenerationError, KVCacheError
 from .generate import generate
 from .model import Transformer
+from .train.chunked import chunked_loss
 
 __version__ = "0.1.0"
 
@@ -39,6 +42,7 @@ __all__ = [
     "Tokenizer",
     "Transformer",
     "adaptive_head_budgets",
+    "chunked_loss",
     "generate",
     "load",
     "load_tokenizer",
