@@ -168,11 +168,12 @@ class HFCache(Cache):
         ``cache_kwargs`` (rotary cos/sin, cache positions) is what transformers 5.0 passes; it is
         not needed, since positions are kvcache's own."""
         stale = _PENDING.get()
-        if stale is not None and stale.cache is self and layer_idx > 0:
+        if stale is not None and stale.cache is self:
             raise RuntimeError(
                 f"layer {stale.layer_idx} updated the cache but its attention did not reach kvcache's attention "
-                f"function: this model computes attention outside transformers' AttentionInterface, which "
-                "kvcache.hf does not support"
+                "function: the model is not set to attn_implementation='kvcache' (kvcache.hf.make_cache sets it), "
+                "or computes attention outside transformers' AttentionInterface, which kvcache.hf does not support. "
+                "The cache may hold part of a chunk: call reset() before using it again"
             )
         if layer_idx != self._next:
             raise RuntimeError(

@@ -62,6 +62,18 @@ def test_call_without_a_kvcache_cache():
     model(ids)
 
 
+def test_cache_with_attention_switched_back():
+    model = build("llama")
+    cache = kvcache.hf.make_cache(model, "dense", cache_length=8)
+    model.set_attn_implementation("eager")
+    with pytest.raises(RuntimeError, match="not set to attn_implementation='kvcache'"):
+        model(random_ids(4), past_key_values=cache)
+    cache.reset()
+    model.set_attn_implementation("kvcache")
+    model(random_ids(4), past_key_values=cache)
+    assert cache.get_seq_length() == 4
+
+
 def test_rejected_calls_leave_the_cache_as_it_was():
     model = build("llama")
     ids = random_ids(12, batch=2, seed=30)
