@@ -12,8 +12,9 @@ transformers' ``AttentionInterface`` and ``AttentionMaskInterface``; nothing in 
 replaced.
 
 Files: version.py (the supported transformers range, checked here), geometry.py (what a cache
-needs from a model, and what is refused), cache.py (the Cache), padding.py (left padding to
-kvcache's layout), attention.py (the registered functions), make.py (``make_cache``). See
+needs from a model, and what is refused), cache.py (the Cache), layer.py (its per-layer view),
+padding.py (left padding to kvcache's layout), positions.py (transformers' positions against
+kvcache's), attention.py (the registered functions), make.py (``make_cache``). See
 docs/transformers.md.
 """
 

@@ -31,10 +31,11 @@ from dataclasses import dataclass
 
 import torch
 from transformers import Cache
-from transformers.cache_utils import CacheLayerMixin
 
-from ..cache import KVCache, LayerCache, Step
+from ..cache import KVCache, Step
 from . import padding
+from .layer import HFLayer
+from .positions import check_positions
 
 
 @dataclass(frozen=True)
@@ -80,69 +81,6 @@ class _Chunk:
 
     step: Step
     layout: padding.Layout
-
-
-class HFLayer(CacheLayerMixin):
-    """One entry of ``HFCache.layers``: a kvcache layer cache as transformers' per-layer
-    interface sees it. Every operation concerns the whole cache and goes to it."""
-
-    is_compileable = False
-    is_croppable = False
-
-    def __init__(self, cache: HFCache, index: int, layer: LayerCache) -> None:
-        super().__init__()
-        self.cache = cache
-        self.index = index
-        self.layer = layer
-        self.is_sliding = layer.spec.window is not None
-        # The buffers are allocated with the cache: there is nothing to initialise lazily.
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        pass
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
-               cache_kwargs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cache.update(key_states, value_states, self.index, cache_kwargs)
-
-    def get_seq_length(self) -> int:
-        return self.cache.get_seq_length()
-
-    def get_mask_sizes(self, query: int | torch.Tensor) -> tuple[int, int]:
-        """(keys an attention call reads at most, tokens no longer held before them).
-
-        query: the chunk's length T (transformers >= 5.x) or its cache positions (T,) (5.0)."""
-        T = query if isinstance(query, int) else int(query.shape[0])
-        seen = self.cache.get_seq_length()
-        held = min(seen, self.layer.spec.cache_length)
-        return held + T, seen - held
-
-    def get_max_length(self) -> int:
-        return -1 if self.layer.evicts else self.layer.spec.cache_length
-
-    # transformers 5.0 names get_max_length so.
-    get_max_cache_shape = get_max_length
-
-    def offload(self) -> None:
-        pass
-
-    def prefetch(self) -> None:
-        pass
-
-    def reset(self) -> None:
-        self.cache.reset()
-
-    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
-        self.cache.reorder_cache(beam_idx)
-
-    def crop(self, tokens: int) -> None:
-        self.cache.crop(tokens)
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self.cache.batch_repeat_interleave(repeats)
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.cache.batch_select_indices(indices)
 
 
 class HFCache(Cache):
@@ -323,37 +261,8 @@ class HFCache(Cache):
         # begin reads the chunk's shape and device, never its token ids.
         step = self.kv.begin(torch.empty((B, T), dtype=torch.long, device=q.device), layout.n_tokens)
         if position_ids is not None:
-            _check_positions(step, layout, position_ids)
+            check_positions(step, layout, position_ids)
         return _Chunk(step, layout)
 
     def __repr__(self) -> str:
         return f"HFCache(columns={self.columns}, {self.kv!r})"
-
-
-def _check_positions(step: Step, layout: padding.Layout, position_ids: torch.Tensor) -> None:
-    """Raise unless transformers rotated every real token at the position the cache gives it.
-
-    position_ids: (B or 1, T). Keys are stored rotated by transformers and tagged with kvcache's
-    positions, so the two must agree (3D multimodal positions are not compared)."""
-    B, T = step.positions.shape
-    if position_ids.dim() != 2 or position_ids.shape[-1] != T:
-        return
-    given = position_ids.expand(B, T)
-    want = step.positions if layout.back is None else step.positions.gather(1, layout.back)
-    agree = given == want
-    if layout.pad is not None:
-        agree |= layout.pad
-    if agree.is_cuda:
-        # A host check would synchronise every step; this fails on the device instead.
-        torch._assert_async(agree.all(), "position_ids differ from the positions the kvcache cache assigns")
-        return
-    if bool(agree.all()):
-        return
-    row = int((~agree).any(1).long().argmax())
-    real = slice(None) if layout.pad is None else ~layout.pad[row]
-    raise ValueError(
-        f"position_ids of row {row} ({given[row][real].tolist()}) differ from the positions the cache gives its "
-        f"tokens ({want[row][real].tolist()}): kvcache numbers each row's real tokens from 0 in the order they "
-        "are fed. Pass the attention_mask of every column fed so far (as generate does), so that transformers "
-        "numbers them alike, or leave position_ids out"
-    )
