@@ -188,8 +188,7 @@ class HFCache(Cache):
         if repeats == 1:
             return
         raise NotImplementedError(
-            "a kvcache cache cannot repeat its rows: make it with batch_size = prompts x num_return_sequences and "
-            "pass the prompts repeated"
+            "a kvcache cache cannot repeat its rows: make it with batch_size = prompts x num_return_sequences"
         )
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
