@@ -20,6 +20,7 @@ from . import __version__, load, load_tokenizer, make_cache, option_info, polici
 from .checkpoint import Tokenizer, generation_config
 from .errors import GenerationError, KVCacheError
 from .generate import DEFAULT_PREFILL_CHUNK, generate, truncate_at_stop
+from .prefix import DEFAULT_MAX_BYTES, INDEX, PrefixStore
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -252,6 +253,16 @@ def _add_generate(commands) -> None:
     cache.add_argument("--compile", action="store_true",
                        help="decode through a captured step (torch.compile; CUDA graphs on CUDA): a one-time "
                             "compilation, then faster steps; not with --reserve")
+    reuse = gen.add_argument_group("prompt reuse (docs/prefix.md)")
+    reuse.add_argument("--prompt-cache", metavar="DIR",
+                       help="reuse the cache of prompt prefixes stored in DIR by earlier runs (same model, policy "
+                            "and cache settings), and store this run's there; DIR is created if missing")
+    reuse.add_argument("--prompt-cache-bytes", type=_int_at_least(1), default=DEFAULT_MAX_BYTES, metavar="N",
+                       help=f"the most bytes the prompt cache keeps, least recently used entries dropped first "
+                            f"(default: {DEFAULT_MAX_BYTES})")
+    reuse.add_argument("--aligned", action="store_true",
+                       help="prefill each prompt alone on a fixed grid of --prefill-chunk positions, so a run that "
+                            "reuses a stored prefix computes bitwise what a run without it computes")
     _add_policy_options(gen)
 
 
@@ -442,6 +453,8 @@ def _generate(args: argparse.Namespace) -> None:
         model, args.policy, cache_length=cache_length, batch_size=len(ids), prompt_length=longest,
         allocation=args.allocation, reserve=args.reserve, **options,
     )
+    store = _prompt_cache(args, model, cache)
+    reused = None if store is None else [store.reusable(p) for p in ids]
     stop_strings = tuple(args.stop)
     # One prompt as text streams as it is made; a batch's rows are printed one after another at the end.
     stream = TextStream(tokenizer, sys.stdout, stop_strings) if len(ids) == 1 and not args.json else None
@@ -466,19 +479,22 @@ def _generate(args: argparse.Namespace) -> None:
         new = generate(
             model, ids, max_new_tokens=max_new, cache=cache, seed=args.seed, stop_tokens=_stop_tokens(model, tokenizer, defaults),
             stop_strings=stop_strings or None, tokenizer=tokenizer, prefill_chunk=args.prefill_chunk,
-            on_token=on_token, on_prefill=on_prefill, compile=args.compile, **decoding,
+            on_token=on_token, on_prefill=on_prefill, compile=args.compile, prefix_store=store,
+            aligned=args.aligned, **decoding,
         )
     except GenerationError as e:
         new, failure = e.tokens, e  # print what was made, then report the error
     finally:
         bar.close()
+    if store is not None:
+        _save_prompt_cache(store, args.prompt_cache)
     if model.embed_tokens.weight.is_cuda:
         torch.cuda.synchronize()  # with no new tokens nothing has waited for the prefill kernels
     end = time.perf_counter()
 
     texts = [truncate_at_stop(tokenizer.decode(row), stop_strings) for row in new]
     if args.json:
-        _print_json(prompts, ids, new, texts, clock, end, cache.nbytes(), failure)
+        _print_json(prompts, ids, new, texts, clock, end, cache.nbytes(), failure, reused)
     elif stream is not None:
         stream.finish()
         sys.stdout.write("\n")
@@ -492,9 +508,39 @@ def _generate(args: argparse.Namespace) -> None:
         raise failure
     if not args.quiet:
         _print_summary(ids, new, clock, end, cache)
+        if store is not None:
+            print(f"prompt cache {args.prompt_cache}: reused {sum(reused)} of {sum(map(len, ids))} prompt tokens; "
+                  f"{len(store)} entries, {_human_bytes(store.nbytes)}", file=sys.stderr)
 
 
-def _print_json(prompts, ids, new, texts, clock: Clock, end: float, cache_bytes: int, failure) -> None:
+def _prompt_cache(args: argparse.Namespace, model, cache) -> PrefixStore | None:
+    """The prefix store in ``--prompt-cache DIR`` (a new one if DIR has none), checked against
+    this run's model and cache before anything runs."""
+    if args.prompt_cache is None:
+        return None
+    path = Path(args.prompt_cache)
+    if (path / INDEX).exists():
+        store = PrefixStore.load(path, model, args.prompt_cache_bytes)
+    elif path.exists() and not path.is_dir():
+        raise ValueError(f"--prompt-cache {path} is a file, not a directory")
+    else:
+        store = PrefixStore(model, args.prompt_cache_bytes)
+    try:
+        store.bind(model, cache, chunk=args.prefill_chunk, aligned=args.aligned)
+    except ValueError as e:
+        raise ValueError(f"--prompt-cache {path}: {e} (or use another directory)") from None
+    return store
+
+
+def _save_prompt_cache(store: PrefixStore, directory: str) -> None:
+    try:
+        store.save(directory)
+    except OSError as e:
+        raise KVCacheError(f"cannot save the prompt cache to {directory}: {e.strerror or e}") from None
+
+
+def _print_json(prompts, ids, new, texts, clock: Clock, end: float, cache_bytes: int, failure,
+                reused: list[int] | None = None) -> None:
     prefill_s = clock.prefill_s(end)
     prefill_rate = _per_second(sum(map(len, ids)), prefill_s)
     for i, prompt in enumerate(prompts):
@@ -510,6 +556,8 @@ def _print_json(prompts, ids, new, texts, clock: Clock, end: float, cache_bytes:
             "decode_tok_s": _per_second(len(new[i]) - 1, decode_s),
             "cache_bytes": cache_bytes,
         }
+        if reused is not None:
+            record["reused_tokens"] = reused[i]
         if failure is not None:
             record["error"] = str(failure)
         sys.stdout.write(json.dumps(record, ensure_ascii=False) + "\n")

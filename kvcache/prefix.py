@@ -78,7 +78,7 @@ def model_fingerprint(model: torch.nn.Module) -> dict[str, str]:
 class Binding:
     """The cache configuration a store's entries were made for.
 
-    policy:  the cache's ``policy[:storage]`` name.
+    policy:  the cache's name as given (``h2o``, ``h2o:full``; the layers' configs decide).
     layers:  each layer's ``config()`` (without ``cache_length`` for a dense cache, whose slots do
              not depend on it).
     mode:    ``"slots"`` (dense) or ``"snapshots"``.
@@ -86,7 +86,7 @@ class Binding:
     aligned: entries were computed by ``aligned=True`` runs (each prompt alone, on the grid).
     """
 
-    policy: str
+    policy: str = dataclasses.field(compare=False)
     layers: tuple
     mode: str
     grid: int | None
@@ -117,10 +117,11 @@ class Binding:
 
     def describe(self) -> str:
         layer = json.loads(self.layers[0])
+        name = layer["policy"] + ("" if layer["storage"] == "full" else f":{layer['storage']}")
         options = ", ".join(f"{k}={v}" for k, v in layer.get("options", {}).items())
         size = f", cache_length={layer['cache_length']}" if "cache_length" in layer else ""
         grid = f", on a {self.grid}-token grid" if self.grid else ""
-        return (f"{self.policy} caches ({layer['dtype']}{size}{', ' + options if options else ''}{grid}"
+        return (f"{name} caches ({layer['dtype']}{size}{', ' + options if options else ''}{grid}"
                 f"{', aligned' if self.aligned else ''})")
 
     def to_json(self) -> dict:
@@ -613,7 +614,7 @@ def _evictable(node: _Node) -> bool:
 
 
 def _difference(old: Binding, new: Binding) -> str:
-    if old.policy != new.policy:
+    if json.loads(old.layers[0])["policy"] != json.loads(new.layers[0])["policy"]:
         return ""
     if (old.grid, old.aligned) != (new.grid, new.aligned):
         return f" (grid {old.grid} vs {new.grid}, aligned {old.aligned} vs {new.aligned})"
