@@ -26,6 +26,7 @@ from .config import ModelConfig, RopeConfig
 from .errors import CapacityError, CheckpointError, GenerationError, KVCacheError
 from .generate import generate
 from .model import Transformer
+from .prefix import PrefixStore, PrefixStoreError
 from .train.chunked import chunked_loss
 
 __version__ = "0.1.0"
@@ -38,6 +39,8 @@ __all__ = [
     "KVCacheError",
     "LayerCache",
     "ModelConfig",
+    "PrefixStore",
+    "PrefixStoreError",
     "RopeConfig",
     "Tokenizer",
     "Transformer",
