@@ -23,7 +23,7 @@ from .base import CacheSpec, KVCache, LayerCache
 from .budgets import layer_budgets
 from .headwise import HeadwiseCache
 from .options import OptionInfo, build, describe
-from .storage import STORAGES
+from .storage import STORAGES, check_storage, parse_storage
 
 _POLICIES: dict[str, type[LayerCache]] = {}
 _DISCOVERED = False
@@ -105,11 +105,10 @@ def parse_name(name: str) -> tuple[str, str]:
     policy, sep, storage = name.partition(":")
     if not sep:
         return policy, "full"
-    if storage not in STORAGES:
-        raise ValueError(
-            f"unknown storage {storage!r} in {name!r}; available: {', '.join(STORAGES)} "
-            f"(name a cache policy[:storage], e.g. 'h2o:int4')"
-        )
+    try:
+        parse_storage(storage)
+    except ValueError as e:
+        raise ValueError(f"{e} (in {name!r}: name a cache policy[:storage], e.g. 'h2o:int4')") from None
     return policy, storage
 
 
@@ -173,6 +172,7 @@ def make_cache(
     requested = cache_length
     tokens = resolve_budget(cache_length, prompt_length)
     cfg = model.config
+    check_storage(storage, cfg.head_dim)  # bits and group sizes, before any buffer is allocated
     if not cls.evicts and (head_budgets is not None or allocation != "uniform"):
         raise ValueError(
             f"the {policy_name} policy keeps every token, so its cache_length is a capacity, not a budget "
@@ -193,7 +193,8 @@ def make_cache(
         """How a layer's (or head's) size came from what the user asked, for error messages."""
         parts = []
         if isinstance(requested, float):
-            parts.append(f"cache_length={requested} of a {prompt_length}-token prompt is {tokens} tokens")
+            parts.append(f"cache_length={requested} of a {prompt_length}-token prompt is {tokens} "
+                         f"token{'s' if tokens != 1 else ''}")
         if head_budgets is not None:
             parts.append(f"layer {i} has head budgets {head_budgets[i]}")
         elif allocation != "uniform":
