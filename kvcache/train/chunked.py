@@ -200,8 +200,10 @@ class _Plan:
             outputs, grad_outputs = [loss], [None]
             if c < len(self.sizes) - 1:  # the last chunk's keys and values reach no later chunk
                 for r, gk, gv in zip(replays, g_k, g_v):
-                    outputs += [r.new_k, r.new_v]
-                    grad_outputs += [gk[:, :, s : s + n].to(r.new_k.dtype), gv[:, :, s : s + n].to(r.new_v.dtype)]
+                    # Below every trainable parameter (a frozen first layer) nothing needs them.
+                    if r.new_k.requires_grad:
+                        outputs += [r.new_k, r.new_v]
+                        grad_outputs += [gk[:, :, s : s + n].to(r.new_k.dtype), gv[:, :, s : s + n].to(r.new_v.dtype)]
             leaves = [t for r in replays if r.kept_k is not None for t in (r.kept_k, r.kept_v)]
             found = torch.autograd.grad(outputs, params + leaves, grad_outputs, allow_unused=True)
             for j, g in enumerate(found[: len(params)]):
