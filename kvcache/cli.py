@@ -1,4 +1,5 @@
-"""The ``kvcache`` command line: ``kvcache generate``, ``kvcache eval``, ``kvcache finetune`` and ``kvcache policies``.
+"""The ``kvcache`` command line: ``kvcache generate``, ``kvcache eval``, ``kvcache finetune``,
+``kvcache drift`` and ``kvcache policies``.
 
 Generated text goes to stdout (or one JSON object per prompt with ``--json``); progress, the
 summary and errors go to stderr, so the output can be piped.
@@ -333,8 +334,35 @@ def _parser() -> argparse.ArgumentParser:
     _add_generate(commands)
     _add_eval(commands)
     _add_finetune(commands)
+    _add_drift(commands)
     commands.add_parser("policies", help="list the cache policies, their options and the storages")
     return parser
+
+
+def _add_drift(commands) -> None:
+    from .drift import DTYPES, Setup
+
+    setup = Setup()
+    dr = commands.add_parser(
+        "drift", help="how far cached, chunked, batched and reused-prefix logits drift from their references",
+        description="For one model, per dtype: the largest logit difference and the top-1 agreement between "
+                    "cached and uncached, chunked and one-pass, batched-with-padding and alone, and reused-prefix "
+                    "and fresh runs (default and aligned), for kvcache and, when installed, transformers on the "
+                    "same weights. See docs/exactness.md.",
+    )
+    dr.add_argument("--model", metavar="DIR", help="Hugging Face-format checkpoint directory (default: bundled)")
+    dr.add_argument("--dtype", type=_list(str), default=list(DTYPES), metavar="A,B",
+                    help=f"comma-separated, from {', '.join(DTYPES)} (default: all)")
+    dr.add_argument("--device", type=_device, default="cpu", help="e.g. cpu, cuda (default: cpu)")
+    dr.add_argument("--tokens", type=_int_at_least(8), default=setup.tokens, metavar="N",
+                    help=f"prompt length (default: {setup.tokens})")
+    dr.add_argument("--chunk", type=_int_at_least(1), default=setup.chunk, metavar="N",
+                    help=f"chunk size, and the grid of aligned reuse (default: {setup.chunk})")
+    dr.add_argument("--prefix", type=_int_at_least(1), default=setup.prefix, metavar="N",
+                    help=f"reused prefix, in tokens (default: {setup.prefix})")
+    dr.add_argument("--no-transformers", action="store_true", help="kvcache's figures only")
+    dr.add_argument("--json", action="store_true", help="print the report as JSON")
+    dr.add_argument("--threads", type=_int_at_least(1), metavar="N", help=THREADS_HELP)
 
 
 # --- kvcache generate ---
@@ -663,6 +691,29 @@ def _finetune(args: argparse.Namespace) -> None:
     run(args, options)
 
 
+# --- kvcache drift ---
+
+
+def _drift(args: argparse.Namespace) -> None:
+    from .drift import DTYPES, Setup, report, table
+
+    _set_threads(args.threads)
+    unknown = [d for d in args.dtype if d not in DTYPES]
+    if unknown or not args.dtype:
+        raise ValueError(f"--dtype takes a comma-separated list from {', '.join(DTYPES)}, got {','.join(args.dtype)}")
+    if not args.prefix < args.tokens:
+        raise ValueError(f"--prefix ({args.prefix}) must be shorter than --tokens ({args.tokens})")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:
+        pass
+    data = report(args.model, args.dtype, args.device, Setup(args.tokens, args.chunk, args.prefix),
+                  with_transformers=not args.no_transformers)
+    print(json.dumps(data, indent=2) if args.json else table(data), end="\n" if args.json else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -672,6 +723,8 @@ def main(argv: list[str] | None = None) -> int:
             _eval(args)
         elif args.command == "finetune":
             _finetune(args)
+        elif args.command == "drift":
+            _drift(args)
         else:
             _policies()
     except (KVCacheError, ValueError) as e:
