@@ -6,8 +6,8 @@ explicit float32 softmax under a (T x T) mask built from the positions a real ca
 policy held before each chunk (read from its buffers after each chunk of an inference run): query
 t of chunk c sees the positions held before c and the tokens of c up to t, within the policy's
 window and sinks. Renumbered sinks score the sink keys with the query rotated back by the shift;
-a quantized storage's keys and values are its read-back values, straight-through. Small sizes
-only (the mask is T x T).
+keys and values are those the real cache stored, read back, straight-through (an identity at
+full precision). Small sizes only (the mask is T x T).
 """
 
 from __future__ import annotations
@@ -22,15 +22,26 @@ from kvcache.rope import apply_rope, rope_angles
 
 def record_held(model, ids: torch.Tensor, policy: str, cache_length: int, sizes: list[int], **options):
     """Run ``ids`` through a real cache in chunks of ``sizes`` (inference). Returns the cache and
-    held[c][l]: (B, Hp, C) positions layer l held before chunk c (-1 empty)."""
+    held[c][l]: (B, Hp, C) positions layer l held before chunk c (-1 empty). Each layer's
+    ``stored`` becomes the keys and values (B, Hkv, T, D) of every position as stored (read back),
+    which the reference attends straight-through: recomputing the codes instead could round a value
+    that lies on a code boundary the other way, a jump of a whole quantization step."""
     B = ids.shape[0]
     cache = kvcache.make_cache(model, policy, cache_length=cache_length, batch_size=B, **options)
+    stored = [[] for _ in cache.layers]
+    for layer, keep in zip(cache.layers, stored):
+        def attend(q, k, v, step, layer=layer, keep=keep, attend=layer.attend):
+            keep.append(layer.storage.roundtrip(k, v))
+            return attend(q, k, v, step)
+        layer.attend = attend
     held, start = [], 0
     with torch.inference_mode():
         for n in sizes:
             held.append([layer.storage.pos[:, :, : layer.spec.cache_length].clone() for layer in cache.layers])
             model(ids[:, start : start + n], cache)
             start += n
+    for layer, keep in zip(cache.layers, stored):
+        layer.stored = tuple(torch.cat([kv[i] for kv in keep], dim=2).clone() for i in (0, 1))
     return cache, held
 
 
@@ -63,7 +74,7 @@ class MaskedLayer(LayerCache):
         return allowed & rule
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
-        rk, rv = self.layer.storage.roundtrip(k, v)
+        rk, rv = self.layer.stored
         k, v = k + (rk - k).detach(), v + (rv - v).detach()
         B, Hq, T, D = q.shape
         Hkv = k.shape[1]

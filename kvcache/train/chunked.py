@@ -26,6 +26,7 @@ forward, then a forward and a backward per chunk.
 
 from __future__ import annotations
 
+import warnings
 from typing import Sequence
 
 import torch
@@ -67,8 +68,12 @@ def chunked_loss(
     chunks attend over what the policy kept, the policy's decisions are made once without
     gradient and replayed, and the gradient reaches earlier chunks through the keys and values
     later chunks attended to. A dense cache gives the gradient of the plain forward over the
-    whole sequence. A quantized storage (``h2o:int8``) is straight-through: the forward sees the
-    stored codes read back, the gradient passes to the unquantized keys and values unchanged.
+    whole sequence. Quantized storages whose codes for a token do not depend on where it is placed
+    (per-token codes: ``h2o:int8``, ``token4``) are straight-through: the forward sees the stored
+    codes read back, and the gradient passes to the unquantized keys and values unchanged. A
+    storage whose codes do depend on placement (KIVI's per-channel key groups, which ``int4`` and
+    ``int2`` name) is trained at full precision: the same policy with ``full`` storage, with a
+    warning.
     On CUDA the call follows the caller's autocast (bf16) in both passes.
     """
     model = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -82,8 +87,17 @@ def chunked_loss(
     denom = target_weights.sum()
     if float(denom) <= 0:
         raise ValueError("no token to predict: every label is ignore_index (or every weight is 0)")
-    cache = make_cache(model, policy, cache_length=T if cache_length is None else cache_length,
-                       batch_size=B, prompt_length=T, **options)
+    length = T if cache_length is None else cache_length
+    cache = make_cache(model, policy, cache_length=length, batch_size=B, prompt_length=T, **options)
+    if not all(getattr(getattr(layer, "storage", None), "exact_roundtrip", True) for layer in cache.layers):
+        full = policy.partition(":")[0]
+        warnings.warn(
+            f"chunked_loss trains {policy!r} as {full!r} (full precision): its storage quantizes a token "
+            "differently depending on where it is placed, so a chunk's keys cannot be replayed as stored; "
+            "per-token storages (token8, token4, token2) are replayed exactly, straight-through",
+            stacklevel=2,
+        )
+        cache = make_cache(model, full, cache_length=length, batch_size=B, prompt_length=T, **options)
     for layer in cache.layers:
         check_supported(layer)
     if cache.max_tokens is not None and cache.max_tokens < T:
