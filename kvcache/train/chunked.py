@@ -214,10 +214,12 @@ class _Plan:
             outputs, grad_outputs = [loss], [None]
             if c < len(self.sizes) - 1:  # the last chunk's keys and values reach no later chunk
                 for r, gk, gv in zip(replays, g_k, g_v):
-                    # Below every trainable parameter (a frozen first layer) nothing needs them.
-                    if r.new_k.requires_grad:
-                        outputs += [r.new_k, r.new_v]
-                        grad_outputs += [gk[:, :, s : s + n].to(r.new_k.dtype), gv[:, :, s : s + n].to(r.new_v.dtype)]
+                    for new, g in ((r.new_k, gk), (r.new_v, gv)):
+                        # Made by frozen weights only (a frozen first layer; LoRA on v_proj alone),
+                        # nothing trainable lies behind it.
+                        if new.requires_grad:
+                            outputs.append(new)
+                            grad_outputs.append(g[:, :, s : s + n].to(new.dtype))
             leaves = [t for r in replays if r.kept_k is not None for t in (r.kept_k, r.kept_v)]
             found = torch.autograd.grad(outputs, params + leaves, grad_outputs, allow_unused=True)
             for j, g in enumerate(found[: len(params)]):
