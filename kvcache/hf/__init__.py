@@ -23,7 +23,7 @@ from __future__ import annotations
 try:
     import transformers
 except ImportError:
-    raise ImportError("kvcache.hf needs transformers: pip install 'kvcache[hf]'") from None
+    raise ImportError("kvcache.hf needs transformers: pip install 'transformers>=5.0.0,<6' (or the hf extra)") from None
 
 from .version import SUPPORTED, check
 

@@ -30,5 +30,5 @@ def check(version: str) -> None:
     raise ImportError(
         f"kvcache.hf supports transformers{SUPPORTED} (its 5.x Cache, AttentionInterface and "
         f"AttentionMaskInterface), but transformers {version} is installed. Install a supported "
-        f"version: pip install 'transformers{SUPPORTED}' (or pip install 'kvcache[hf]')."
+        f"version: pip install 'transformers{SUPPORTED}' (kvcache's hf extra)."
     )
