@@ -556,7 +556,7 @@ def _prompt_cache(args: argparse.Namespace, model, cache) -> PrefixStore | None:
     try:
         store.bind(model, cache, chunk=args.prefill_chunk, aligned=args.aligned)
     except ValueError as e:
-        raise ValueError(f"--prompt-cache {path}: {e} (or use another directory)") from None
+        raise ValueError(f"--prompt-cache {path}: {e}; use another directory for this one") from None
     return store
 
 

@@ -6,7 +6,8 @@ its own, and a path from the root spells a prefix. What a node holds depends on 
 
 * a dense cache (``slots``): the storage slots of its tokens, per layer. A dense cache's slot p
   holds position p whatever came after it, so any prefix of a stored path is reusable, down to
-  one token, and prefixes that share tokens share their nodes.
+  one token, and prefixes that share tokens share their nodes. (A storage that is not laid out
+  per slot, KIVI's, is kept as snapshots like the evicting caches.)
 * any other cache (``snapshots``): a snapshot of one row's whole state after exactly the path's
   tokens. What an evicting cache holds depends on everything it saw, so only the exact stored
   boundaries are reusable. A policy that depends on how a prompt is chunked (h2o, tova, snapkv,
@@ -95,7 +96,7 @@ class Binding:
     @classmethod
     def of(cls, cache: KVCache, chunk: int | None, aligned: bool) -> Binding:
         """The binding of ``cache`` prefilled in chunks of ``chunk``; ValueError if it cannot be stored."""
-        slots = not any(layer.evicts for layer in cache.layers)
+        slots = all(not layer.evicts and layer.shares_prefixes() for layer in cache.layers)
         layers = tuple(
             json.dumps({k: v for k, v in layer.config().items() if not (slots and k == "cache_length")}, sort_keys=True)
             for layer in cache.layers
@@ -238,7 +239,7 @@ class PrefixStore:
         if self.binding is not None and binding != self.binding:
             raise ValueError(
                 f"this prefix store holds {self.binding.describe()}, but this call uses {binding.describe()}"
-                f"{_difference(self.binding, binding)}. Use one store per cache configuration."
+                f"{_difference(self.binding, binding)}: a store serves one cache configuration"
             )
         if not self._checked:
             self._check_entries(cache, binding)
