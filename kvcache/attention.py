@@ -15,6 +15,8 @@ Paths:
     ``masked_with_weights``  the same, with explicit softmax weights, reporting the attention each
                  key received (for policies that score tokens by it).
     ``decode``   one query per row with explicit weights (scoring policies, renumbered sinks).
+Packed keys and values (a quantized storage's ``view``) go to ``kernels``, which attends over the
+codes block by block with the same arguments and results; nothing here decodes them.
 Decode never uses ``is_causal=True``: SDPA aligns that mask top-left, so a one-token query would
 see only key 0.
 """
@@ -23,6 +25,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from . import kernels
 
 # Largest number of queries whose (query x key) mask and scores are materialised at once.
 QUERY_BLOCK = 1024
@@ -53,6 +57,9 @@ def causal(
     positions: O(T x (window + BAND_BLOCK)) work rather than O(T x T).
     """
     B, Hq, T, D = q.shape
+    if kernels.is_packed(k):
+        pos = torch.arange(T, device=q.device).expand(B, T)
+        return kernels.attend(q, k, v, pos, pos[:, None], window=window, sinks=sinks, limit=limit, q_sink=q_sink)[0]
     Hkv = k.shape[1]
     gqa = Hq != Hkv
     reach = min([T] + [w for w in (window, limit) if w is not None])
@@ -126,6 +133,8 @@ def masked(
     ``all_visible`` promises every key is visible to every query (a decode step over a dense,
     uniformly filled cache), which skips building the mask.
     """
+    if kernels.is_packed(k):
+        return kernels.attend(q, k, v, q_pos, k_pos, window=window, sinks=sinks, limit=limit, all_visible=all_visible)[0]
     B, Hq, T, D = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
@@ -179,6 +188,9 @@ def masked_with_weights(
     queries rotated to renumbered positions (attention sinks, see ``cache.policies.sink``).
     The softmax weights exist only for ``QUERY_BLOCK`` queries at a time.
     """
+    if kernels.is_packed(k):
+        return kernels.attend(q, k, v, q_pos, k_pos, window=window, sinks=sinks, limit=limit, q_weight=q_weight,
+                              q_sink=q_sink)
     B, Hq, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     G = Hq // Hkv
@@ -234,6 +246,8 @@ def decode(
     ``want_mass``, the attention each slot received summed over the G query heads of its group:
     (B, Hkv, S) float32, from explicit softmax weights.
     """
+    if kernels.is_packed(k):
+        return kernels.decode(q, k, v, visible, q_sink=q_sink, sink_slots=sink_slots, want_mass=want_mass)
     B, Hq, _, D = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv

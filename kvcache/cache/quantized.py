@@ -1,98 +1,102 @@
-"""Quantized slot buffers: keys and values kept as 8-bit or 4-bit integer codes.
+"""Quantized slot buffers: keys and values kept as 8-, 4- or 2-bit codes with fp16 scales and
+zero points (codes.py), read by attention block by block (kernels/), never decoded whole.
 
-Scheme: asymmetric (min/max) quantization per token, per K/V head, per group of ``group_size``
-elements along head_dim (default: the whole head, one group). A group x becomes codes
-q = round((x - min) / scale) in [0, 2^bits - 1] with scale = (max - min) / (2^bits - 1), and is
-read back as q * scale + min, so every element is within scale / 2 of its original value.
+Two layouts (docs/policies/storage.md has the measurements behind them):
 
-Why this scheme (measured on Gaussian, offset and outlier-channel data, see docs/policies/storage.md):
-  * per token, because a policy writes, moves and evicts whole tokens: a token's bits must not
-    depend on its neighbours (per-channel key scales, as in KIVI, would need groups of tokens);
-  * asymmetric, because at equal bytes it beats symmetric (absmax) quantization on every
-    distribution tried: it uses all 2^bits levels and follows a group whose mean is not zero,
-    which is common for keys with large fixed-sign channels;
-  * one group per head by default: every extra group costs 8 more bytes per token and head
-    (0.5 bit per element for groups of 64 at head_dim 128), and lowered the error by less than
-    the ~2x that half a bit should buy (1.24x on Gaussian data), except on heavy-outlier keys;
-  * float32 scale and offset, so the scale/2 error bound holds for any model dtype and no
-    scale underflows (float16 would save 4 bytes per group).
+``TokenStorage``  keys and values per token: each token's key (and value) for each K/V head is
+                  quantized on its own, in groups of ``group`` channels. Policies write, move and
+                  evict whole tokens, and a token's bits never depend on its neighbours.
+``KiviStorage``   KIVI: values per token as above; keys per channel over groups of ``group``
+                  consecutive slots, which share one scale and zero point per channel. Keys have
+                  a few large fixed-sign channels (after RoPE), which per-token scales spend
+                  their levels on; per-channel scales do not. The newest tokens of a group that
+                  is not yet full stay at full precision (the residual) until the group fills.
 
-Attention runs over a dequantized copy of the slots it reads (``view``), at the model's dtype:
-O(span) extra memory per layer call, freed right after.
+Per-channel groups under eviction (``KiviStorage``): a group's scales are set once, when every
+slot of the group has received a token in slot order (dense and ring caches, and scoring caches
+while they fill), and never re-quantized. Every key is also quantized per token when written,
+so a slot can fall back to its own scale: a token written anywhere else (a scoring policy's
+decode step placing its token over the evicted one, a slot past a partly rewritten group) is
+kept per token, and the group keeps its scales for the tokens still in it. A policy that moves
+a per-channel key to another slot (a chunk's gather) re-quantizes it per token, once: the only
+time a key's codes are computed from codes.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..kernels.packed import CHANNEL, RESIDUAL, TOKEN, PackedKeys, PackedValues
 from .base import CacheSpec
+from .codes import decode_tokens, encode_tokens, pack, quantize, unpack
 
-BITS = {"int8": 8, "int4": 4}
 
+class TokenStorage:
+    """Keys and values per token: codes plus an fp16 scale and zero point per group of
+    ``group`` channels of each token and K/V head.
 
-class QuantizedStorage:
-    """Keys and values as integer codes plus a float32 scale and offset per group.
-
-    k, v:         (B, Hkv, C + 1, D * bits / 8) uint8 codes; int4 packs two codes per byte
-                  (element 2i in the low nibble, 2i + 1 in the high one).
-    k_meta, v_meta: (B, Hkv, C + 1, 2 * G) float32, G = D / group_size: G scales then G offsets.
+    k, v:         (B, Hkv, C + 1, D * bits / 8) uint8 codes (packed, codes.py).
+    k_meta, v_meta: (B, Hkv, C + 1, 2 * D / group) fp16: the scales, then the zero points.
     pos:          (B, Hp, C + 1) long, -1 for an empty slot (as in ``FullStorage``).
-    ``k.shape[2]`` is the slot count, as for ``FullStorage``.
     """
 
-    def __init__(self, spec: CacheSpec, bits: int, per_head: bool = False, group_size: int | None = None) -> None:
+    packed = True
+    # A chunk attends its new tokens exactly as they will be stored (``roundtrip``).
+    exact_roundtrip = True
+
+    def __init__(self, spec: CacheSpec, bits: int, per_head: bool = False, group: int | None = None) -> None:
         B, H, C, D = spec.batch_size, spec.num_kv_heads, spec.cache_length, spec.head_dim
-        group = D if group_size is None else group_size
-        if bits not in (4, 8):
-            raise ValueError(f"bits must be 4 or 8, got {bits}")
-        # Pairs of int4 codes share a byte, so a group must not end inside one.
-        if group <= 0 or D % group or (bits == 4 and group % 2):
-            raise ValueError(f"group_size must divide head_dim ({D}){' and be even' if bits == 4 else ''}, got {group}")
-        self.bits, self.group, self.dtype = bits, group, spec.dtype
+        self.bits, self.group, self.dtype, self.head_dim = bits, D if group is None else group, spec.dtype, D
         dev = spec.device
         self.k = torch.zeros(B, H, C + 1, D * bits // 8, dtype=torch.uint8, device=dev)
         self.v = torch.zeros_like(self.k)
-        self.k_meta = torch.zeros(B, H, C + 1, 2 * (D // group), dtype=torch.float32, device=dev)
+        self.k_meta = torch.zeros(B, H, C + 1, 2 * (D // self.group), dtype=torch.float16, device=dev)
         self.v_meta = torch.zeros_like(self.k_meta)
         self.pos = torch.full((B, H if per_head else 1, C + 1), -1, dtype=torch.long, device=dev)
+        # The last roundtrip's outputs with their codes (``_reuse``).
+        self._read_back = None
 
     # ----- codes -------------------------------------------------------------------------------
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: (B, H, T, D) -> codes (B, H, T, D * bits / 8) uint8, meta (B, H, T, 2G) float32."""
-        levels = 2**self.bits - 1
-        g = x.float().unflatten(-1, (-1, self.group))  # (B, H, T, G, group)
-        lo = g.amin(-1, keepdim=True)
-        scale = (g.amax(-1, keepdim=True) - lo) / levels
-        # A constant group has scale 0: every element is its offset, code 0.
-        q = ((g - lo) / torch.where(scale > 0, scale, 1.0)).round_().clamp_(0, levels).to(torch.uint8).flatten(-2)
-        if self.bits == 4:
-            q = q[..., 0::2] | (q[..., 1::2] << 4)
-        return q, torch.cat((scale, lo), -2).flatten(-2)
+        """x: (B, H, T, D) -> codes (B, H, T, D * bits / 8) uint8, meta (B, H, T, 2 * D / group) fp16."""
+        return encode_tokens(x, self.bits, self.group)
 
-    def decode(self, q: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+    def decode(self, codes: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
         """Inverse of ``encode``: (B, H, T, D) at the model's dtype."""
-        if self.bits == 4:
-            q = torch.stack((q & 15, q >> 4), -1).flatten(-2)
-        scale, lo = meta.unflatten(-1, (2, -1, 1)).unbind(-3)  # (B, H, T, G, 1) each
-        # In place on the fresh float copy: the decode path runs this over the whole span every
-        # step, and out-of-place broadcasting is about 10x slower on CPU.
-        g = q.unflatten(-1, (-1, self.group)).float().mul_(scale).add_(lo)
-        return g.flatten(-2).to(self.dtype)
+        return decode_tokens(codes, meta, self.bits, self.dtype)
 
     def roundtrip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v (B, Hkv, T, D) as ``view`` would return them once stored."""
-        return self.decode(*self.encode(k)), self.decode(*self.encode(v))
-
-    def _encoded(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The new tokens' (k codes, v codes, k meta, v meta), in the order of ``_buffers``."""
+        """k, v (B, Hkv, T, D) as attention reads them once stored. Storing what this returns
+        stores the codes computed here: quantizing a read-back value again need not reproduce
+        them (an fp16 zero point cannot always sit within half a step of a group's minimum)."""
         kq, km = self.encode(k)
         vq, vm = self.encode(v)
-        return kq, vq, km, vm
+        k, v = self.decode(kq, km), self.decode(vq, vm)
+        self._read_back = ((k, kq, km), (v, vq, vm))
+        return k, v
 
     def _buffers(self) -> tuple[torch.Tensor, ...]:
         return self.k, self.v, self.k_meta, self.v_meta
 
-    # ----- the FullStorage interface -----------------------------------------------------------
+    def _encoded(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The new tokens' (k codes, v codes, k meta, v meta), in the order of ``_buffers``."""
+        kq, km = self._reuse(k, 0) or self.encode(k)
+        vq, vm = self._reuse(v, 1) or self.encode(v)
+        return kq, vq, km, vm
+
+    def _reuse(self, x: torch.Tensor, which: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The codes of ``x`` if it is what the last ``roundtrip`` returned (a ring or a scoring
+        cache storing the chunk it attended), unmodified since."""
+        # The tuple holds y alive, so no other tensor can take its memory while it is kept. (A
+        # captured decode step stores a new token, never a read-back chunk.)
+        if torch.compiler.is_compiling() or self._read_back is None or self._read_back[which] is None:
+            return None
+        y, q, meta = self._read_back[which]
+        if (x.data_ptr(), x.shape, x.stride()) != (y.data_ptr(), y.shape, y.stride()):
+            return None
+        return q, meta
+
+    # ----- the Storage protocol ----------------------------------------------------------------
     def write_slice(self, start: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """Write k, v: (B, Hkv, T, D) at slots [start, start + T) of every row; positions: (B, T)."""
         stop = start + k.shape[2]
@@ -102,43 +106,398 @@ class QuantizedStorage:
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """Write token t of row b to slot ``slots[b, t]`` (shared by heads); positions: (B, T)."""
-        B, H, T, _ = k.shape
-        for buf, new in zip(self._buffers(), self._encoded(k, v)):
-            buf.scatter_(2, slots[:, None, :, None].expand(B, H, T, buf.shape[-1]), new)
-        Hp = self.pos.shape[1]
+        _scatter_tokens(self._buffers(), slots, self._encoded(k, v))
+        B, Hp, T = self.pos.shape[0], self.pos.shape[1], slots.shape[1]
         self.pos.scatter_(2, slots.unsqueeze(1).expand(B, Hp, T), positions.unsqueeze(1).expand(B, Hp, T))
 
     def settle(self, dst: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """Move the token in the scratch slot to slot ``dst`` (B, Hp, 1) and empty the scratch
-        slot (see FullStorage.settle). Codes move as they are: a moved token is not re-quantized."""
-        B, H, C1 = self.k.shape[:3]
-        for buf in self._buffers():
-            index = dst.unsqueeze(-1).expand(B, H, 1, buf.shape[-1])
-            # A scatter may not read from the buffer it writes: copy the scratch slot first.
-            buf.scatter_(2, index, buf[:, :, C1 - 1 :].clone())
+        slot. Codes move as they are: a moved token is not re-quantized."""
+        _move_scratch(self._buffers(), dst)
+        C1 = self.pos.shape[2]
         self.pos.scatter_(2, dst, positions.unsqueeze(1).expand_as(dst))
         self.pos[:, :, C1 - 1] = -1
 
-    def keep(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, index: torch.Tensor, stored: int = 0) -> None:
-        """Fill slots [0, C) with candidates ``index`` (B, Hp, C) picked from k, v (B, Hkv, N, D),
-        pos (B, Hp, N). Candidates [0, stored) are this storage's slots [0, stored): their codes
-        are taken as they are, so a token that survives many evictions is quantized once."""
-        B, H = self.k.shape[:2]
-        C = index.shape[-1]
-        new = self._encoded(k[:, :, stored:], v[:, :, stored:])
-        for buf, fresh in zip(self._buffers(), new):
-            cand = torch.cat((buf[:, :, :stored], fresh), dim=2)
-            buf[:, :, :C] = cand.gather(2, index.expand(B, H, C).unsqueeze(-1).expand(B, H, C, buf.shape[-1]))
-        self.pos[:, :, :C] = pos.gather(2, index)
+    def keep(self, k, v, pos: torch.Tensor, index: torch.Tensor, stored: int = 0) -> None:
+        """Fill slots [0, C) with candidates ``index`` (B, Hp, C) of k, v (B, Hkv, N, D), pos
+        (B, Hp, N). Candidates [0, stored) are this storage's slots [0, stored) (their codes are
+        taken as they are); the rest are new tokens, encoded here."""
+        fresh = self._encoded(k[:, :, stored:], v[:, :, stored:])
+        for buf, new in zip(self._buffers(), fresh):
+            buf[:, :, : index.shape[-1]] = _gather_candidates(buf, new, stored, index)
+        self.pos[:, :, : index.shape[-1]] = pos.gather(2, index)
 
-    def view(self, span: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The first ``span`` slots, dequantized: k, v (B, Hkv, span, D) and pos (B, Hp, span)."""
-        k = self.decode(self.k[:, :, :span], self.k_meta[:, :, :span])
-        v = self.decode(self.v[:, :, :span], self.v_meta[:, :, :span])
-        return k, v, self.pos[:, :, :span]
+    def view(self, span: int) -> tuple[PackedKeys, PackedValues, torch.Tensor]:
+        """The first ``span`` slots, packed (attention reads them block by block; anything else
+        decodes them on use): keys, values (B, Hkv, span, D) and pos (B, Hp, span)."""
+        keys = PackedKeys(self.k[:, :, :span], self.k_meta[:, :, :span], self.bits, self.head_dim, self.dtype)
+        values = PackedValues(self.v[:, :, :span], self.v_meta[:, :, :span], self.bits, self.head_dim, self.dtype)
+        return keys, values, self.pos[:, :, :span]
 
     def reset(self) -> None:
         self.pos.fill_(-1)
+        self._read_back = None
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self._buffers(), self.pos))
+
+
+class KiviStorage(TokenStorage):
+    """KIVI: values per token (as ``TokenStorage``), keys per channel over groups of ``group``
+    consecutive slots, with a full-precision residual (module docstring).
+
+    k, v, k_meta, v_meta, pos: as ``TokenStorage``; ``k_meta`` holds each key's per-token scale
+                  and zero point (one group of channels), used by slots in TOKEN mode.
+    k_mode:       (B, Hkv, C + 1) uint8: CHANNEL, TOKEN or RESIDUAL (kernels/packed.py); values
+                  of RESIDUAL slots are read at full precision too, the others from their codes.
+    k_channel:    (B, Hkv, C // group + 1, 2, D) fp16: per-channel scale and zero point of each
+                  group of slots (only whole groups are used: a group cut short by the end of
+                  the cache, and the scratch slot, keep their keys per token).
+    k_residual, v_residual: (B, Hkv, group, D) model dtype: keys and values of each row's open
+                  group, the first ``fill[b]`` of its slots from ``res_start[b]`` (-1: none open).
+    res_start, fill: (B,) long, on the buffers' device (a decode step reads no host state).
+    """
+
+    exact_roundtrip = False
+
+    def __init__(self, spec: CacheSpec, bits: int, per_head: bool = False, group: int = 64,
+                 value_group: int | None = None) -> None:
+        super().__init__(spec, bits, per_head, value_group)
+        B, H, C, D = spec.batch_size, spec.num_kv_heads, spec.cache_length, spec.head_dim
+        dev = spec.device
+        self.key_group = group
+        self.k_meta = torch.zeros(B, H, C + 1, 2, dtype=torch.float16, device=dev)
+        self.k_mode = torch.full((B, H, C + 1), TOKEN, dtype=torch.uint8, device=dev)
+        self.k_channel = torch.zeros(B, H, C // group + 1, 2, D, dtype=torch.float16, device=dev)
+        self.k_residual = torch.zeros(B, H, group, D, dtype=spec.dtype, device=dev)
+        self.v_residual = torch.zeros_like(self.k_residual)
+        self.res_start = torch.full((B,), -1, dtype=torch.long, device=dev)
+        self.fill = torch.zeros(B, dtype=torch.long, device=dev)
+        # What the last write completed, for the queries of its chunk that preceded completion:
+        # (stage_k, stage_v, stage_of, seal_pos), see PackedKeys. Not state: a view of the
+        # next attention call only.
+        self._staged: tuple[torch.Tensor, ...] | None = None
+
+    @property
+    def whole_groups(self) -> int:
+        """Groups of slots that can be quantized per channel: those that end before slot C."""
+        return (self.pos.shape[2] - 1) // self.key_group
+
+    def encode_keys(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token key codes (the TOKEN layout): one group of channels per token and head."""
+        return encode_tokens(k, self.bits, self.head_dim)
+
+    def roundtrip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The new tokens as an evicting cache's chunk attends them before placing them: values as
+        stored per token, keys at full precision, since their layout depends on where they are
+        placed (as KIVI attends a prompt before quantizing it)."""
+        vq, vm = self.encode(v)
+        v = self.decode(vq, vm)
+        self._read_back = (None, (v, vq, vm))
+        return k, v
+
+    def _encoded(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        kq, km = self.encode_keys(k)
+        vq, vm = self._reuse(v, 1) or self.encode(v)
+        return kq, vq, km, vm
+
+    # ----- writes in slot order: the residual and its groups --------------------------------
+    def write_slice(self, start: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        B, T = positions.shape
+        C = self.pos.shape[2] - 1
+        self._staged = None
+        if start == C:
+            # The scratch slot (a scoring policy's decode step stages its token there): per token.
+            super().write_slice(start, k, v, positions)
+            self.k_mode[:, :, C] = TOKEN
+            return
+        self.write(torch.arange(start, start + T, device=self.k.device).expand(B, T), k, v, positions)
+
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """Write token t of row b to slot ``slots[b, t]``; positions: (B, T). Every key is coded per
+        token; a run of slots that starts a group (or continues the row's open group) is kept in
+        the residual instead, and a group it completes is quantized per channel."""
+        self._staged = None
+        slots = slots.to(self.k.device)
+        super().write(slots, k, v, positions)
+        H = self.k.shape[1]
+        self.k_mode.scatter_(2, slots[:, None, :].expand(-1, H, -1), TOKEN)
+        if not self.whole_groups:
+            return
+        if slots.shape[1] == 1:
+            self._write_one(slots[:, 0], k[:, :, 0], v[:, :, 0])
+        else:
+            self._write_runs(slots, k, v, positions)
+
+    def _write_one(self, s: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """One token per row at slots ``s`` (B,), k, v (B, H, D): fixed shapes and no host reads,
+        so a captured decode step runs it. The ``_Runs`` rules for a single token."""
+        G, C, NG = self.key_group, self.pos.shape[2] - 1, self.whole_groups
+        B, H, D = k.shape
+        real = s < C
+        group, offset = s // G, s % G
+        open_ = self.fill > 0
+        cont = real & open_ & (group * G == self.res_start) & (offset == self.fill)
+        starts = real & (offset == 0) & (group < NG)
+        resid = cont | starts
+        abandon = real & open_ & ~cont
+        # An abandoned group's slots fall back to the per-token codes written with them.
+        was_resid = (self.k_mode == RESIDUAL) & abandon[:, None, None]
+        self.k_mode.masked_fill_(was_resid, TOKEN)
+        index = offset.clamp(max=G - 1)[:, None, None, None].expand(B, H, 1, D)
+        for buf, x in ((self.k_residual, k), (self.v_residual, v)):
+            buf.scatter_(2, index, torch.where(resid[:, None, None, None], x[:, :, None].to(buf.dtype), buf.gather(2, index)))
+        at = s.clamp(max=C)[:, None, None].expand(B, H, 1)
+        self.k_mode.scatter_(2, at, torch.where(resid[:, None, None], RESIDUAL, self.k_mode.gather(2, at)))
+        fill = torch.where(resid, offset + 1, torch.where(abandon, 0, self.fill))
+        res_start = torch.where(resid, group * G, torch.where(abandon, -1, self.res_start))
+        seal = resid & (offset == G - 1)
+        # Quantize every row's residual per channel; keep the result where a row completes its group.
+        q, scale, zero = quantize(self.k_residual, self.bits, dim=2)
+        g = group.clamp(max=NG - 1)
+        slots = (g[:, None] * G + torch.arange(G, device=s.device))[:, None, :, None]  # (B, 1, G, 1)
+        idx = slots.expand(B, H, G, self.k.shape[-1])
+        self.k.scatter_(2, idx, torch.where(seal[:, None, None, None], pack(q, self.bits), self.k.gather(2, idx)))
+        midx = slots[..., 0].expand(B, H, G)
+        self.k_mode.scatter_(2, midx, torch.where(seal[:, None, None], CHANNEL, self.k_mode.gather(2, midx)))
+        cidx = g[:, None, None, None, None].expand(B, H, 1, 2, D)
+        meta = torch.cat((scale, zero), 2).unsqueeze(2)  # (B, H, 1, 2, D)
+        self.k_channel.scatter_(2, cidx, torch.where(seal[:, None, None, None, None], meta, self.k_channel.gather(2, cidx)))
+        self.fill.copy_(torch.where(seal, 0, fill))
+        self.res_start.copy_(torch.where(seal, -1, res_start))
+
+    def _write_runs(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """A chunk: plan its runs on the host (``_Runs``), stage each residual run's keys and
+        values at full precision, seal the groups they complete, keep the last open one."""
+        B, H, T, D = k.shape
+        G, dev = self.key_group, self.k.device
+        res_start, fill = self.res_start.cpu(), self.fill.cpu()
+        plan = _Runs(slots.cpu(), self.pos.shape[2] - 1, G, self.whole_groups, res_start, fill)
+        for b in plan.abandon.nonzero().flatten().tolist():
+            start, n = int(res_start[b]), int(fill[b])
+            self.k_mode[b, :, start : start + n] = TOKEN
+        if plan.runs:
+            NS = plan.runs
+            index = torch.where(plan.resid, plan.run * G + plan.offset, NS * G).to(dev)  # (B, T)
+            stages = []
+            for x, residual in ((k, self.k_residual), (v, self.v_residual)):
+                # (B, H, NS + 1, G, D): one group per run, and a last one for the tokens of no run.
+                stage = x.new_zeros(B, H, NS + 1, G, D, dtype=residual.dtype)
+                stage.view(B, H, (NS + 1) * G, D).scatter_(2, index[:, None, :, None].expand(B, H, T, D), x.to(residual.dtype))
+                for b, r in plan.continued:
+                    stage[b, :, r, : int(fill[b])] = residual[b, :, : int(fill[b])]
+                stages.append(stage[:, :, :NS])
+            bs, rs = plan.sealed.nonzero(as_tuple=True)
+            if bs.numel():
+                self._seal(stages[0], bs, rs, plan.group[bs, rs])
+            for b, r in enumerate(plan.open_run):
+                if r >= 0:
+                    self.k_residual[b], self.v_residual[b] = stages[0][b, :, r], stages[1][b, :, r]
+                    start = int(plan.res_start[b])
+                    self.k_mode[b, :, start : start + int(plan.fill[b])] = RESIDUAL
+            if bs.numel():
+                NB = self.k_channel.shape[2]
+                stage_of = torch.full((B, NB), -1, dtype=torch.long, device=dev)
+                seal_pos = torch.full((B, NB), -1, dtype=torch.long, device=dev)
+                groups = plan.group[bs, rs].to(dev)
+                stage_of[bs.to(dev), groups] = rs.to(dev)
+                seal_pos[bs.to(dev), groups] = plan.last_pos(bs, rs, positions.cpu()).to(dev)
+                self._staged = (stages[0], stages[1], stage_of, seal_pos)
+        touched = plan.any_real.to(dev)
+        self.res_start.copy_(torch.where(touched, plan.res_start.to(dev), self.res_start))
+        self.fill.copy_(torch.where(touched, plan.fill.to(dev), self.fill))
+
+    def _seal(self, stage: torch.Tensor, bs: torch.Tensor, rs: torch.Tensor, groups: torch.Tensor) -> None:
+        """Quantize the staged keys of runs (bs, rs) per channel over their groups and store them."""
+        G, dev = self.key_group, self.k.device
+        b_idx, g_idx = bs.to(dev), groups.to(dev)
+        q, scale, zero = quantize(stage[b_idx, :, rs.to(dev)], self.bits, dim=2)  # (n, H, G, D)
+        self.k_channel[b_idx, :, g_idx] = torch.cat((scale, zero), 2)  # (n, H, 2, D)
+        slot = g_idx[:, None] * G + torch.arange(G, device=dev)  # (n, G)
+        rows = b_idx[:, None].expand_as(slot)
+        self.k[rows, :, slot] = pack(q, self.bits).transpose(1, 2)  # (n, G, H, Db)
+        self.k_mode[rows, :, slot] = CHANNEL
+
+    # ----- moves: settle and keep --------------------------------------------------------------
+    def settle(self, dst: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """Move the scratch slot's token (kept per token) over slot ``dst`` (B, Hp, 1). A token
+        placed inside a row's open group breaks its run: the group falls back to per-token keys.
+        No host reads (a captured decode step runs this)."""
+        self._staged = None
+        G = self.key_group
+        hit = (self.fill > 0) & ((dst // G) * G == self.res_start[:, None, None]).flatten(1).any(1)
+        self.k_mode.masked_fill_((self.k_mode == RESIDUAL) & hit[:, None, None], TOKEN)
+        self.fill.masked_fill_(hit, 0)
+        self.res_start.masked_fill_(hit, -1)
+        super().settle(dst, k, v, positions)
+        self.k_mode.scatter_(2, dst.expand(-1, self.k.shape[1], -1), TOKEN)
+
+    def keep(self, k, v, pos: torch.Tensor, index: torch.Tensor, stored: int = 0) -> None:
+        """As ``TokenStorage.keep``. Per destination slot: a per-channel key that stays in its slot
+        keeps its codes; one that moves is re-quantized per token; a whole group whose every slot
+        receives a new token is quantized per channel from their full-precision keys; anything
+        else is kept per token. No group stays open."""
+        self._staged = None
+        B, H = self.k.shape[:2]
+        C, dev = index.shape[-1], self.k.device
+        idx = index.expand(B, H, C)
+        new_k = k[:, :, stored:]
+        # Values, and every key's per-token codes (a new token's from its full-precision key).
+        super().keep(k, v, pos, index, stored)
+        NEW = 255
+        src_mode = torch.full((B, H, C), NEW, dtype=torch.uint8, device=dev)
+        if stored:
+            src_mode = torch.where(idx < stored, self.k_mode.gather(2, idx.clamp(max=stored - 1)), src_mode)
+        slot = torch.arange(C, device=dev)
+        moved = (src_mode == CHANNEL) & (idx != slot)
+        if bool(moved.any()):
+            self._requantize_moved(idx, moved)
+        mode = torch.where((src_mode == CHANNEL) & (idx == slot), CHANNEL, TOKEN).to(torch.uint8)
+        NG = min(self.whole_groups, C // self.key_group)
+        if NG:
+            # Whole groups whose every slot receives a new token: quantized per channel.
+            G = self.key_group
+            whole = (src_mode[..., : NG * G] == NEW).view(B, H, NG, G).all(-1)  # (B, H, NG)
+            if bool(whole.any()):
+                self._seal_new(new_k, idx[..., : NG * G] - stored, whole, mode)
+        self.k_mode[:, :, :C] = mode
+        self.res_start.fill_(-1)
+        self.fill.zero_()
+
+    def _requantize_moved(self, idx: torch.Tensor, moved: torch.Tensor) -> None:
+        """The per-channel keys that moved to another slot (B, H, C) get per-token codes from
+        their old codes (gathered by ``TokenStorage.keep`` already) and old group's scales."""
+        B, H, C = idx.shape
+        G, D = self.key_group, self.head_dim
+        for j0 in range(0, C, 1024):
+            j1 = min(j0 + 1024, C)
+            m = moved[..., j0:j1]
+            if not bool(m.any()):
+                continue
+            grp = (idx[..., j0:j1] // G).clamp(max=self.k_channel.shape[2] - 1)  # (B, H, n) source groups
+            meta = self.k_channel.gather(2, grp[..., None, None].expand(B, H, j1 - j0, 2, D)).float()
+            x = unpack(self.k[:, :, j0:j1], self.bits).float() * meta[..., 0, :] + meta[..., 1, :]
+            codes, km = encode_tokens(x, self.bits, D)
+            self.k[:, :, j0:j1] = torch.where(m[..., None], codes, self.k[:, :, j0:j1])
+            self.k_meta[:, :, j0:j1] = torch.where(m[..., None], km, self.k_meta[:, :, j0:j1])
+
+    def _seal_new(self, new_k: torch.Tensor, src: torch.Tensor, whole: torch.Tensor, mode: torch.Tensor) -> None:
+        """Quantize per channel the groups (``whole`` (B, H, NG)) that receive only new tokens;
+        ``src`` (B, H, NG * group) indexes each slot's token in ``new_k`` (B, H, T, D)."""
+        B, H, NG = whole.shape
+        G, D = self.key_group, self.head_dim
+        step = max(1, 1024 // G)
+        for g0 in range(0, NG, step):
+            g1 = min(g0 + step, NG)
+            w = whole[..., g0:g1]
+            if not bool(w.any()):
+                continue
+            j0, j1 = g0 * G, g1 * G
+            x = new_k.gather(2, src[..., j0:j1].clamp(min=0)[..., None].expand(B, H, j1 - j0, D))
+            q, scale, zero = quantize(x.view(B, H, g1 - g0, G, D), self.bits, dim=3)
+            slot_w = w.repeat_interleave(G, -1)
+            self.k[:, :, j0:j1] = torch.where(slot_w[..., None], pack(q, self.bits).flatten(2, 3), self.k[:, :, j0:j1])
+            meta = torch.cat((scale, zero), 3)  # (B, H, n, 2, D)
+            self.k_channel[:, :, g0:g1] = torch.where(w[..., None, None], meta, self.k_channel[:, :, g0:g1])
+            mode[..., j0:j1] = torch.where(slot_w, CHANNEL, mode[..., j0:j1])
+
+    # ----- reading -----------------------------------------------------------------------------
+    def view(self, span: int) -> tuple[PackedKeys, PackedValues, torch.Tensor]:
+        """The first ``span`` slots, packed: per-channel, per-token and residual keys as the
+        slots hold them, and what the last write completed for queries that preceded it."""
+        stage_k, stage_v, stage_of, seal_pos = self._staged if self._staged is not None else (None,) * 4
+        mode = self.k_mode[:, :, :span]
+        shared = dict(mode=mode, group=self.key_group, res_start=self.res_start, stage_of=stage_of, seal_pos=seal_pos)
+        keys = PackedKeys(self.k[:, :, :span], self.k_meta[:, :, :span], self.bits, self.head_dim, self.dtype,
+                          channel=self.k_channel, residual=self.k_residual, stage=stage_k, **shared)
+        values = PackedValues(self.v[:, :, :span], self.v_meta[:, :, :span], self.bits, self.head_dim, self.dtype,
+                              residual=self.v_residual, stage=stage_v, **shared)
+        return keys, values, self.pos[:, :, :span]
+
+    def reset(self) -> None:
+        super().reset()
+        self.k_mode.fill_(TOKEN)
+        self.res_start.fill_(-1)
+        self.fill.zero_()
+        self._staged = None
+
+    def nbytes(self) -> int:
+        extra = (self.k_mode, self.k_channel, self.k_residual, self.v_residual, self.res_start, self.fill)
+        return super().nbytes() + sum(t.numel() * t.element_size() for t in extra)
+
+
+class _Runs:
+    """How one write (slots (B, T), CPU; slot ``C`` is scratch) lays keys in groups of ``G`` slots,
+    of which the first ``NG`` are whole.
+
+    A run is a stretch of consecutive slots within one group. It goes to the residual if its
+    group is whole and it starts the group (offset 0) or continues the row's open group
+    (``res_start``, ``fill``); otherwise its keys stay per token. A residual run that reaches the
+    end of its group completes (seals) it. A row that writes and does not continue its open
+    group abandons it (``abandon``).
+    """
+
+    def __init__(self, slots: torch.Tensor, C: int, G: int, NG: int, res_start: torch.Tensor, fill: torch.Tensor) -> None:
+        B, T = slots.shape
+        real = slots < C
+        group, offset = slots // G, slots % G
+        prev = torch.cat((torch.full((B, 1), -2, dtype=torch.long), slots[:, :-1]), 1)
+        starts = real & ((prev != slots - 1) | (offset == 0))
+        cont = starts & (group * G == res_start[:, None]) & (offset == fill[:, None]) & (fill[:, None] > 0)
+        ok = cont | (starts & (offset == 0) & (group < NG))
+        t = torch.arange(T).expand(B, T)
+        first = torch.where(starts, t, -1).cummax(1).values  # the start of each token's run
+        self.resid = real & (first >= 0) & ok.gather(1, first.clamp(min=0))
+        run_starts = starts & self.resid
+        self.run = run_starts.long().cumsum(1) - 1  # (B, T): each residual token's run
+        self.offset = offset
+        self.any_real = real.any(1)
+        self.abandon = self.any_real & ~cont.any(1) & (fill > 0)
+        n_runs = run_starts.sum(1)
+        self.runs = int(n_runs.max()) if B else 0
+        NS = max(self.runs, 1)
+        # Per run: its group, its token count (with the residual it continues), its last token.
+        column = torch.where(self.resid, self.run, NS)  # tokens of no run go to an extra column
+        self.group = torch.zeros(B, NS + 1, dtype=torch.long).scatter_(1, column, group)[:, :NS]
+        count = torch.zeros(B, NS + 1, dtype=torch.long).scatter_add_(1, column, torch.ones_like(column))[:, :NS]
+        self.continued = [(int(b), int(self.run[b, tt])) for b, tt in zip(*cont.nonzero(as_tuple=True))]
+        for b, r in self.continued:
+            count[b, r] += int(fill[b])
+        self._last = torch.full((B, NS + 1), -1, dtype=torch.long).scatter_reduce_(
+            1, column, torch.where(self.resid, t, -1), "amax")[:, :NS]
+        self.sealed = (torch.arange(NS)[None, :] < n_runs[:, None]) & (count == G)
+        # The open group after the write: the row's last residual run, if it is not sealed.
+        last = (n_runs - 1).clamp(min=0)[:, None]
+        last_open = (n_runs > 0) & ~self.sealed.gather(1, last)[:, 0]
+        self.open_run = torch.where(last_open, last[:, 0], -1).tolist()
+        self.res_start = torch.where(last_open, self.group.gather(1, last)[:, 0] * G, -1)
+        self.fill = torch.where(last_open, count.gather(1, last)[:, 0], 0)
+
+    def last_pos(self, bs: torch.Tensor, rs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Position of the last token of runs (bs, rs): positions (B, T), CPU."""
+        return positions[bs, self._last[bs, rs]]
+
+
+def _scatter_tokens(buffers, slots: torch.Tensor, new) -> None:
+    """Write token t of row b of each of ``new`` (B, H, T, n) to slot ``slots[b, t]`` of its buffer."""
+    B, T = slots.shape
+    for buf, x in zip(buffers, new):
+        buf.scatter_(2, slots[:, None, :, None].expand(B, buf.shape[1], T, buf.shape[-1]), x)
+
+
+def _move_scratch(buffers, dst: torch.Tensor) -> None:
+    """Copy each buffer's scratch slot (the last) to slot ``dst`` (B, Hp, 1) of every head."""
+    for buf in buffers:
+        B, H, C1 = buf.shape[:3]
+        index = dst.expand(B, H, 1).unsqueeze(-1).expand(B, H, 1, buf.shape[-1])
+        # A scatter may not read from the buffer it writes: copy the scratch slot first.
+        buf.scatter_(2, index, buf[:, :, C1 - 1 :].clone())
+
+
+def _gather_candidates(buf: torch.Tensor, new: torch.Tensor, stored: int, index: torch.Tensor) -> torch.Tensor:
+    """Candidates [0, stored) are ``buf``'s slots, the rest ``new`` (B, H, T, n): the ones ``index``
+    (B, Hp, C) picks, (B, H, C, n)."""
+    B, H = buf.shape[:2]
+    C = index.shape[-1]
+    cand = torch.cat((buf[:, :, :stored], new), dim=2)
+    return cand.gather(2, index.expand(B, H, C).unsqueeze(-1).expand(B, H, C, buf.shape[-1]))

@@ -22,9 +22,12 @@ class RingCache(EvictingCache):
 
     # The ring keeps the newest tokens and is always full: batched eviction has nothing to batch.
     supports_reserve = False
-    # What it keeps is a function of positions, and each query sees the same keys however the
-    # sequence is chunked.
-    chunking_invariant = True
+
+    @property
+    def chunking_invariant(self) -> bool:
+        # What it keeps is a function of positions, and each query sees the same keys however the
+        # sequence is chunked, provided a chunk attends its new tokens as they will be stored.
+        return self.storage.exact_roundtrip
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
         # A ring appends at the slot its position names: no held-slot bookkeeping, no search.
@@ -70,9 +73,10 @@ class RingCache(EvictingCache):
             store.write(self.slot(step.start).to(k.device)[:, None], k, v, step.positions)
         span = min(C, step.span_end)
         ks, vs, pos = store.view(span)
-        if step.min_start + 1 >= C and self.spec.window is None:
+        if step.min_start + 1 >= C and self.spec.window is None and not store.packed:
             # Every slot holds one of each row's newest positions: the dense decode call applies,
-            # once the keys are as the policy wants them scored.
+            # once the keys are as the policy wants them scored. (Packed keys are not rewritten:
+            # the decode call below scores renumbered sinks with the rotated query instead.)
             self._prepare_full(ks, step)
             return attention.masked(q, ks, vs, step.positions, pos, all_visible=True)
         visible = attention.visibility(step.positions, pos, self.window(), self.sinks(), self.spec.window)[:, :, 0]

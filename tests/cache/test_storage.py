@@ -1,5 +1,7 @@
-"""Storages (full, int8, int4) under policies: bytes, quantization error, logits against full
-precision, eviction that depends on positions alone, the scratch slot, and the names."""
+"""Storages under policies: the Storage contract (one property test over every registered
+storage), bytes, quantization error, logits against full precision, chunking independence,
+eviction that depends on positions alone, what KIVI's per-channel groups do under eviction,
+names and bad input."""
 
 from __future__ import annotations
 
@@ -8,19 +10,17 @@ import torch
 
 import kvcache
 from kvcache.cache import CacheSpec
-from kvcache.cache.quantized import QuantizedStorage
-from kvcache.cache.storage import FullStorage, make_storage
+from kvcache.cache.codes import decode_tokens, encode_tokens, quantize, unpack
+from kvcache.cache.quantized import KiviStorage, TokenStorage
+from kvcache.cache.storage import STORAGES, FullStorage, make_storage, parse_storage
 from kvcache.cli import main
+from kvcache.kernels import CHANNEL, RESIDUAL, TOKEN, PackedKeys, PackedValues
 from policy_util import check_storage, feed, feed_alone, ids_for, max_diff
 
 CPU = torch.device("cpu")
-STORAGES = ["full", "int8", "int4"]
-# (policy, options, per_head, number of float32 statistics per slot)
-POLICIES = [("dense", {}, False, 0), ("window", {}, False, 0), ("h2o", dict(recent=4), True, 1),
-            ("h2o", dict(recent=4, normalize=True), True, 2)]
-# Bytes of one token's key (or value) for one K/V head, at head_dim D with float32 at full
-# precision: codes (D bytes at int8, D / 2 at int4) + a float32 scale and offset per head.
-TOKEN_BYTES = {"full": lambda D: 4 * D, "int8": lambda D: D + 8, "int4": lambda D: D // 2 + 8}
+ALL = list(STORAGES)
+QUANTIZED = [s for s in ALL if s != "full"]
+EXACT = [s for s in QUANTIZED if parse_storage(s).layout == "token"]
 
 
 def spec(D=16, H=2, C=8, B=1, dtype=torch.float32, storage="full"):
@@ -28,115 +28,268 @@ def spec(D=16, H=2, C=8, B=1, dtype=torch.float32, storage="full"):
                      storage=storage)
 
 
-def unpack(store: QuantizedStorage, codes: torch.Tensor) -> torch.Tensor:
-    return torch.stack((codes & 15, codes >> 4), -1).flatten(-2) if store.bits == 4 else codes
+def tensors(store) -> dict[str, torch.Tensor]:
+    return {name: t for name, t in vars(store).items() if isinstance(t, torch.Tensor)}
+
+
+def decoded(store, span):
+    k, v, pos = store.view(span)
+    if store.packed:
+        return k.decoded(), v.decoded(), pos
+    return k.clone(), v.clone(), pos.clone()
+
+
+# ----- the contract: one property test over every registered storage -------------------------
+
+
+@pytest.mark.parametrize("name", ALL + ["kivi4/4", "token4/8"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_storage_contract(name, seed):
+    """Random writes, decode-step moves and gathers on a storage, checking after each that:
+    view aliases the buffers at full precision and refers to the codes without copying when
+    packed; roundtrip values store to the codes the originals store to (exact roundtrip);
+    settle and keep move a token's bits unchanged (KIVI: a per-channel key that leaves its group
+    is re-quantized per token, once, within its error bound); positions follow their tokens;
+    nbytes counts every buffer; reset empties every slot."""
+    B, H, D, C = 2, 2, 16, 12
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: 1.5 * torch.randn(*shape, generator=gen) + torch.randn(*shape[:-1], 1, generator=gen)
+    store = make_storage(spec(D=D, H=H, C=C, B=B, storage=name), per_head=True)
+    assert store.k.shape[2] == C + 1 and store.pos.shape == (B, H, C + 1)
+    assert store.nbytes() == sum(t.numel() * t.element_size() for t in tensors(store).values())
+    k, v, pos = store.view(C)
+    if store.packed:
+        assert isinstance(k, PackedKeys) and isinstance(v, PackedValues)
+        assert k.codes.data_ptr() == store.k.data_ptr() and v.codes.data_ptr() == store.v.data_ptr()
+        assert k.decoded().data_ptr() != store.k.data_ptr()
+    else:
+        assert k.data_ptr() == store.k.data_ptr() and v.data_ptr() == store.v.data_ptr()
+    assert pos.data_ptr() == store.pos.data_ptr()
+
+    # Writes in slot order: one chunk, then one token at a time.
+    k1, v1 = rand(B, H, 7, D), rand(B, H, 7, D)
+    store.write_slice(0, k1, v1, torch.arange(7).expand(B, 7))
+    for t in range(7, 10):
+        store.write_slice(t, rand(B, H, 1, D), rand(B, H, 1, D), torch.full((B, 1), t))
+    assert store.pos[:, :, :10].tolist() == [[list(range(10))] * H] * B
+
+    # roundtrip: storing a round-tripped value gives the codes the original gave.
+    if store.exact_roundtrip:
+        twin = make_storage(spec(D=D, H=H, C=C, B=B, storage=name), per_head=True)
+        rk, rv = store.roundtrip(k1, v1)
+        twin.write_slice(0, rk, rv, torch.arange(7).expand(B, 7))
+        for a, b in zip(tensors(store).values(), tensors(twin).values()):
+            assert torch.equal(a[:, :, :7], b[:, :, :7]) if a.dim() > 2 else True
+        got_k, got_v, _ = decoded(twin, 7)
+        assert torch.equal(got_k, rk) and torch.equal(got_v, rv)
+
+    # settle: the token staged in the scratch slot moves to a per-head slot with its bits.
+    before_k, before_v, _ = decoded(store, 10)
+    residual = store.k_mode == RESIDUAL if isinstance(store, KiviStorage) else torch.zeros_like(store.pos, dtype=torch.bool)
+    sk, sv = rand(B, H, 1, D), rand(B, H, 1, D)
+    store.write_slice(C, sk, sv, torch.full((B, 1), 10))
+    staged_k, staged_v, _ = decoded(store, C + 1)
+    staged = {n: t[:, :, C].clone() for n, t in tensors(store).items() if t.dim() > 2 and t.shape[2] == C + 1}
+    dst = torch.randint(0, 10, (B, H, 1), generator=gen)
+    store.settle(dst, sk, sv, torch.full((B, 1), 10))
+    after_k, after_v, pos = decoded(store, 10)
+    for b in range(B):
+        for h in range(H):
+            d = int(dst[b, h])
+            assert int(pos[b, h, d]) == 10
+            assert torch.equal(after_k[b, h, d], staged_k[b, h, C]) and torch.equal(after_v[b, h, d], staged_v[b, h, C])
+            for n, t in staged.items():
+                if n != "pos" and n != "k_mode":
+                    assert torch.equal(getattr(store, n)[b, h, d], t[b, h]), n
+            for j in range(10):
+                if j == d:
+                    continue
+                if residual[b, h, j] and int(store.k_mode[b, h, j]) != RESIDUAL:
+                    # A KIVI row's open group, broken by the move: per-token codes now.
+                    assert within_a_step(store, after_k, after_v, before_k, before_v, (b, h, j), (b, h, j))
+                else:
+                    assert torch.equal(after_v[b, h, j], before_v[b, h, j])
+                    assert torch.equal(after_k[b, h, j], before_k[b, h, j])
+    assert bool((store.pos[:, :, C] == -1).all())
+
+    # keep: stored candidates keep their bits; new ones are stored as a chunk would store them.
+    before_k, before_v, before_pos = decoded(store, C)
+    codes_before = store.k.clone()
+    mode_before = store.k_mode.clone() if isinstance(store, KiviStorage) else None
+    new_k, new_v = rand(B, H, 4, D), rand(B, H, 4, D)
+    rk, rv = store.roundtrip(new_k, new_v)
+    ks, vs, _ = store.view(C)
+    cand_k, cand_v = torch.cat((ks, rk), dim=2), torch.cat((vs, rv), dim=2)
+    cand_pos = torch.cat((before_pos, torch.arange(11, 15).expand(B, H, 4)), dim=2)
+    index = torch.stack([torch.randperm(C + 4, generator=gen)[:C] for _ in range(B * H)]).view(B, H, C)
+    store.keep(cand_k, cand_v, cand_pos, index, stored=C)
+    after_k, after_v, pos = decoded(store, C)
+    assert torch.equal(pos, cand_pos.gather(2, index))
+    for b in range(B):
+        for h in range(H):
+            for j in range(C):
+                i = int(index[b, h, j])
+                if i >= C:
+                    continue  # a new token
+                if mode_before is not None and int(mode_before[b, h, i]) == RESIDUAL:
+                    # No group stays open: the residual's tokens keep their per-token codes.
+                    assert within_a_step(store, after_k, after_v, before_k, before_v, (b, h, j), (b, h, i))
+                    continue
+                assert torch.equal(after_v[b, h, j], before_v[b, h, i])
+                if mode_before is not None and int(mode_before[b, h, i]) == CHANNEL:
+                    if i == j:
+                        assert torch.equal(store.k[b, h, j], codes_before[b, h, i])
+                    else:  # re-quantized per token, once
+                        assert int(store.k_mode[b, h, j]) == TOKEN
+                        step = store.k_meta[b, h, j, 0].float()
+                        assert (after_k[b, h, j] - before_k[b, h, i]).abs().max() <= step / 2 + 1e-6
+                elif int(pos[b, h, j]) >= 0:
+                    assert torch.equal(after_k[b, h, j], before_k[b, h, i])
+    if store.exact_roundtrip:
+        new = index >= C
+        want_k = rk.gather(2, (index - C).clamp(min=0)[..., None].expand(B, H, C, D))
+        assert torch.equal(after_k[new], want_k[new])
+
+    store.reset()
+    assert bool((store.pos == -1).all())
+    assert store.nbytes() == sum(t.numel() * t.element_size() for t in tensors(store).values())
+
+
+def within_a_step(store, after_k, after_v, before_k, before_v, at, was) -> bool:
+    """Whether slot ``at`` (b, h, j) holds the token of ``was`` within half a per-token step."""
+    ok = True
+    for after, before, meta in ((after_k, before_k, store.k_meta), (after_v, before_v, store.v_meta)):
+        step = meta[at][0].float()
+        ok &= bool(((after[at] - before[was]).abs() <= step / 2 * (1 + 1e-3) + 1e-6).all())
+    return ok
 
 
 # ----- bytes ----------------------------------------------------------------------------------
 
 
-def test_quantized_bytes_at_a_real_head_dim():
-    """At head_dim 128, keys and values take 136/512 (int8) and 72/512 (int4) of float32 bytes,
-    and 136/256 and 72/256 of float16: the codes plus 8 bytes of scale and offset per token-head."""
-    C, H, D = 100, 8, 128
-    pos_bytes = (C + 1) * 8
-    for dtype, full_token in ((torch.float32, 512), (torch.float16, 256)):
-        full = make_storage(spec(D, H, C, dtype=dtype)).nbytes() - pos_bytes
-        assert full == 2 * H * (C + 1) * full_token
-        int8 = make_storage(spec(D, H, C, dtype=dtype, storage="int8")).nbytes() - pos_bytes
-        int4 = make_storage(spec(D, H, C, dtype=dtype, storage="int4")).nbytes() - pos_bytes
-        assert int8 / full == pytest.approx(136 / full_token)  # 0.266 of fp32, 0.531 of fp16
-        assert int4 / full == pytest.approx(72 / full_token)  # 0.141 of fp32, 0.281 of fp16
-    # Groups of 32 along head_dim cost 8 bytes each: int4 at 64 + 4 * 8 = 96 bytes per token-head.
-    grouped = QuantizedStorage(spec(D, H, C, storage="int4"), 4, group_size=32)
-    assert grouped.nbytes() - pos_bytes == 2 * H * (C + 1) * 96
+def test_bytes_against_fp16_dense_at_a_real_geometry():
+    """At head_dim 128, 8 K/V heads and 32k slots, scales, zero points, modes and the residual
+    included: int4 at most 0.30 and int2 at most 0.20 of the fp16 dense cache (the issue's
+    floors); the exact figures are 0.287 and 0.162 (docs/quantized.md)."""
+    s = dict(D=128, H=8, C=32768, dtype=torch.float16)
+    full = make_storage(spec(**s)).nbytes()
+    ratio = {name: make_storage(spec(**s, storage=name)).nbytes() / full for name in ("int8", "int4", "int2")}
+    assert ratio["int4"] <= 0.30 and ratio["int2"] <= 0.20
+    # Per slot: 8 heads x (keys + values) + 8 bytes of position; KIVI adds its residual.
+    residual = 2 * 8 * 64 * 128 * 2 / (32769 * 4104)
+    assert ratio["int8"] == pytest.approx((8 * 2 * 132 + 8) / 4104, abs=1e-4)
+    assert ratio["int4"] == pytest.approx((8 * (77 + 68) + 8) / 4104 + residual, abs=1e-4)
+    assert ratio["int2"] == pytest.approx((8 * (45 + 36) + 8) / 4104 + residual, abs=1e-4)
 
 
-@pytest.mark.parametrize("storage", STORAGES)
-@pytest.mark.parametrize("policy,options,per_head,n_stats", POLICIES)
-def test_cache_bytes_per_policy(llama, storage, policy, options, per_head, n_stats):
-    """The whole cache: K/V at the storage's size, positions and statistics unchanged."""
-    cfg, C = llama.config, 16
-    cache = kvcache.make_cache(llama, f"{policy}:{storage}", cache_length=C, **options)
-    Hp = cfg.num_kv_heads if per_head else 1
-    per_slot = 2 * cfg.num_kv_heads * TOKEN_BYTES[storage](cfg.head_dim) + Hp * (8 + 4 * n_stats)
-    assert cache.nbytes() == cfg.num_layers * (C + 1) * per_slot
-    full = kvcache.make_cache(llama, policy, cache_length=C, **options)
-    kv_ratio = {"full": 1.0, "int8": 24 / 64, "int4": 16 / 64}[storage]  # head_dim 16: scales weigh more
-    extra = cfg.num_layers * (C + 1) * Hp * (8 + 4 * n_stats)
-    assert (cache.nbytes() - extra) / (full.nbytes() - extra) == pytest.approx(kv_ratio)
-    assert cache.layers[0].storage.k.shape[2] == C + 1  # capacity plus the scratch slot
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_bytes_per_slot(name):
+    """Per slot and K/V head: codes D * bits / 8 for keys and for values, 4 bytes of fp16 scale
+    and zero point per group; KIVI adds a mode byte and 4 D / group bytes of per-channel scales
+    per slot, and a residual of group full-precision keys and values per row."""
+    D, H, C = 32, 2, 128
+    kind = parse_storage(name)
+    store = make_storage(spec(D=D, H=H, C=C, storage=name))
+    codes = D * kind.bits // 8
+    if kind.layout == "token":
+        groups = D // (kind.group or D)
+        per_slot = 2 * (codes + 4 * groups)
+        extra = 0
+    else:
+        G = kind.group
+        per_slot = 2 * codes + 4 + 4 + 1
+        extra = H * (C // G + 1) * 4 * D + 2 * H * G * D * 4 + 2 * 8
+    assert store.nbytes() == H * (C + 1) * per_slot + (C + 1) * 8 + extra
+
+
+@pytest.mark.parametrize("storage", ["int8", "int4", "int2"])
+def test_cache_bytes_per_policy(llama, storage):
+    """The whole cache: the storage's bytes, with positions and statistics as at full precision."""
+    for policy, options, n_stats in (("dense", {}, 0), ("h2o", dict(recent=4), 1)):
+        cache = kvcache.make_cache(llama, f"{policy}:{storage}", cache_length=512, **options)
+        full = kvcache.make_cache(llama, policy, cache_length=512, **options)
+        stats = sum(layer._stats.numel() * 4 for layer in cache.layers) if n_stats else 0
+        assert cache.nbytes() == sum(layer.storage.nbytes() for layer in cache.layers) + stats
+        assert cache.nbytes() < full.nbytes()
 
 
 # ----- quantization error ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bits,group", [(8, None), (4, None), (8, 16), (4, 8), (4, 2)])
+@pytest.mark.parametrize("bits", [8, 4, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_round_trip_error_is_within_half_a_step(bits, group, dtype):
-    store = QuantizedStorage(spec(D=32, dtype=dtype), bits, group_size=group)
+@pytest.mark.parametrize("group", [None, 8])
+def test_per_token_error_is_within_half_a_step(bits, dtype, group):
+    D = 32
     g = torch.Generator().manual_seed(bits)
     # Per-token offsets and a large channel, as keys have: each group gets its own range.
-    x = (torch.randn(2, 2, 50, 32, generator=g) + 3 * torch.randn(2, 2, 50, 1, generator=g)).to(dtype)
+    x = (torch.randn(2, 2, 50, D, generator=g) + 3 * torch.randn(2, 2, 50, 1, generator=g)).to(dtype)
     x[..., 5] *= 10
-    codes, meta = store.encode(x)
-    assert codes.dtype == torch.uint8 and codes.shape[-1] == 32 * bits // 8
-    y = store.decode(codes, meta)
+    codes, meta = encode_tokens(x, bits, group or D)
+    assert codes.dtype == torch.uint8 and codes.shape[-1] == D * bits // 8 and meta.dtype == torch.float16
+    y = decode_tokens(codes, meta, bits, dtype)
     assert y.dtype == dtype and y.shape == x.shape
-    G = meta.shape[-1] // 2
-    step = meta[..., :G].repeat_interleave(32 // G, dim=-1)  # each element's scale
+    n = meta.shape[-1] // 2
+    step = meta[..., :n].float().repeat_interleave(D // n, dim=-1)
     # scale / 2 from rounding to a code, plus the rounding of the result to the model's dtype.
-    bound = step / 2 * (1 + 1e-5) + x.float().abs() * torch.finfo(dtype).eps
+    bound = step / 2 * (1 + 1e-3) + x.float().abs() * torch.finfo(dtype).eps
     assert bool(((y.float() - x.float()).abs() <= bound).all())
-    # The range of each group is used in full (asymmetric): its min and max are codes 0 and
-    # 2^bits - 1, unless the group is constant (scale 0, every code 0).
-    q = unpack(store, codes).unflatten(-1, (G, -1))
-    assert bool((q.amin(-1) == 0).all())
-    assert bool(((q.amax(-1) == 2**bits - 1) | (meta[..., :G] == 0)).all())
-    # Quantizing what was read back gives the same codes: a token re-written (a ring cache writes
-    # the chunk it attended over) is not degraded twice.
-    assert torch.equal(store.encode(y)[0], codes)
+    # The fp16 zero point is rounded down and the scale up: every element lies in the range the
+    # codes span, and the top of the range is reached (asymmetric, all 2^bits levels used).
+    q = unpack(codes, bits).unflatten(-1, (n, -1))
+    assert bool((meta[..., n:].float() <= x.float().unflatten(-1, (n, -1)).amin(-1)).all())
+    assert bool(((q.amax(-1) >= 2**bits - 2) | (meta[..., :n] == 0)).all())
+    # Quantizing what was read back gives the same codes wherever the group's minimum came back as
+    # its zero point (code 0); the fp16 zero point cannot always be within half a step of the
+    # minimum, so a storage reuses the codes of what it read back rather than recomputing them.
+    if dtype == torch.float32:
+        again = unpack(encode_tokens(y, bits, group or D)[0], bits).unflatten(-1, (n, -1))
+        exact = (q.amin(-1) == 0).unsqueeze(-1).expand_as(q)
+        assert exact.float().mean() > 0.5 and torch.equal(again[exact], q[exact])
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_exact_values_and_constant_groups(bits):
-    store = QuantizedStorage(spec(D=16), bits)
-    levels = 2**bits - 1
-    # Values on a grid that spans codes 0 to 2^bits - 1 come back exactly; so does a constant
-    # group (scale 0).
-    codes = torch.randint(0, levels + 1, (1, 2, 3, 16), generator=torch.Generator().manual_seed(0))
-    codes[..., 0], codes[..., 1] = 0, levels
-    x = codes * 0.25 - 1.0
-    x[0, 1, 2] = 7.5
-    assert torch.equal(store.decode(*store.encode(x)), x)
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_per_channel_error_is_within_half_a_step(bits):
+    """KIVI keys: one scale and zero point per channel over a group of tokens."""
+    g = torch.Generator().manual_seed(bits)
+    x = torch.randn(1, 2, 64, 32, generator=g) * torch.linspace(0.1, 8, 32) + torch.linspace(-5, 5, 32)
+    q, scale, zero = quantize(x, bits, dim=2)
+    assert scale.shape == (1, 2, 1, 32) and scale.dtype == torch.float16
+    y = q.float() * scale.float() + zero.float()
+    assert bool(((y - x).abs() <= scale.float() / 2 * (1 + 1e-3)).all())
+
+
+def test_constant_groups_come_back_exactly():
+    x = torch.full((1, 1, 3, 16), 0.25)
+    codes, meta = encode_tokens(x, 4, 16)
+    assert torch.equal(decode_tokens(codes, meta, 4, torch.float32), x)
 
 
 # ----- logits against full precision ----------------------------------------------------------
 
 
-def _run(model, name, ids, prefill):
+def _run(model, name, ids, prefill, cache_length=None):
     """Prefill ``prefill`` tokens in one chunk, then decode the rest one token at a time."""
-    cache = kvcache.make_cache(model, name, cache_length=ids.shape[1], batch_size=ids.shape[0])
+    cache = kvcache.make_cache(model, name, cache_length=cache_length or ids.shape[1], batch_size=ids.shape[0])
     with torch.inference_mode():
         outs = [model(ids[:, :prefill], cache)]
         outs += [model(ids[:, t : t + 1], cache) for t in range(prefill, ids.shape[1])]
-    return torch.cat(outs, dim=1)
+    return torch.cat(outs, dim=1), cache
 
 
-# Observed on the conftest llama (2 layers, head_dim 16, logits of standard deviation ~1): int8
-# 0.013 max abs with top-1 agreement 1.0; int4 0.23 with 0.96. The bounds: one int8 step is 1/255
-# of a group's range, so each key and value is off by at most 0.2% of it; through two layers that
-# moves logits of unit scale by ~1e-2, and 0.04 leaves a 3x margin. An int4 step is 255/15 = 17
-# times coarser, and its error bound is 17 times the int8 one.
-LOGIT_BOUND = {"int8": 0.04, "int4": 0.04 * 17}
-TOP1_BOUND = {"int8": 0.95, "int4": 0.9}
+# Observed on the conftest llama (2 layers, head_dim 16, logits of standard deviation ~1), 80
+# tokens, 2 rows, prefill 48: int8 0.017 max abs with top-1 agreement 1.0; int4 (KIVI, groups of
+# 16) 0.24 and 0.98; int2 1.2 and 0.83; token4 0.31 and 0.94. Bounds leave about a 2x margin
+# (a 4-bit step is 255 / 15 times an 8-bit one, a 2-bit step 5 times a 4-bit one).
+LOGIT_BOUND = {"int8": 0.04, "int4/16": 0.5, "token4": 0.6, "int2/16": 2.5}
+TOP1_BOUND = {"int8": 0.97, "int4/16": 0.93, "token4": 0.88, "int2/16": 0.7}
 
 
-@pytest.mark.parametrize("storage", ["int8", "int4"])
+@pytest.mark.parametrize("storage", list(LOGIT_BOUND))
 def test_quantized_logits_are_close_to_full_precision(llama, storage):
-    ids = ids_for(48, batch=2, seed=11, vocab=llama.config.vocab_size)
-    ref = _run(llama, "dense", ids, prefill=32)
-    got = _run(llama, f"dense:{storage}", ids, prefill=32)
+    ids = ids_for(80, batch=2, seed=11, vocab=llama.config.vocab_size)
+    ref, _ = _run(llama, "dense", ids, prefill=48)
+    got, _ = _run(llama, f"dense:{storage}", ids, prefill=48)
     diff = max_diff(got, ref)
     agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
     assert diff <= LOGIT_BOUND[storage], f"dense:{storage}: max |logit diff| {diff:.4f}, top-1 {agree:.3f}"
@@ -144,24 +297,44 @@ def test_quantized_logits_are_close_to_full_precision(llama, storage):
     assert diff > 0  # the storage really quantizes
 
 
-@pytest.mark.parametrize("storage", ["int8", "int4"])
+# Two runs of a different chunking compute keys that differ by float rounding (1e-7), which can
+# move an fp16 scale by one unit in the last place (1e-3 relative) or flip a code that lies on a
+# rounding boundary: logits then differ by about 1e-4, never by a quantization step (0.1 at int4).
+FLIP_ATOL = 2e-3
+
+
+@pytest.mark.parametrize("storage", ["int8", "int4/8", "int2/8", "token4"])
 def test_quantized_dense_does_not_depend_on_chunking(llama, storage):
-    """Attention always reads the stored bits, the chunk's own tokens included, so one chunk and
-    token-by-token decoding agree as closely as at full precision."""
-    ids = ids_for(24, batch=1, seed=12, vocab=llama.config.vocab_size)
-    whole = _run(llama, f"dense:{storage}", ids, prefill=24)
-    stepped = _run(llama, f"dense:{storage}", ids, prefill=1)
-    assert max_diff(whole, stepped) <= 1e-5
+    """Attention reads the stored bits as each query's position saw them (a KIVI group completed
+    within a chunk is read at full precision by the chunk's earlier queries), so one chunk,
+    uneven chunks and token-by-token decoding agree, and store the same codes."""
+    ids = ids_for(40, batch=2, seed=12, vocab=llama.config.vocab_size)
+    whole, a = _run(llama, f"dense:{storage}", ids, prefill=40)
+    stepped, b = _run(llama, f"dense:{storage}", ids, prefill=1)
+    assert max_diff(whole, stepped) <= FLIP_ATOL
+    for la, lb in zip(a.layers, b.layers):
+        same = (la.storage.k == lb.storage.k).float().mean().item()
+        assert same >= 0.99
+        if isinstance(la.storage, KiviStorage):
+            assert torch.equal(la.storage.k_mode, lb.storage.k_mode)
+    cache = kvcache.make_cache(llama, f"dense:{storage}", cache_length=40, batch_size=2)
+    with torch.inference_mode():
+        uneven = feed(llama, cache, list(ids), [[5, 11], [11, 5], [16, 16], [8, 8]])
+    for r in range(2):
+        assert max_diff(uneven[r], whole[r]) <= FLIP_ATOL
 
 
 # ----- eviction is a policy's business --------------------------------------------------------
 
 
-@pytest.mark.parametrize("storage", ["int8", "int4"])
+@pytest.mark.parametrize("storage", ["int8", "int4/4", "token4"])
 @pytest.mark.parametrize("policy,options", [("window", {}), ("sink", dict(sinks=2))])
 def test_positional_eviction_is_identical_to_full_precision(llama, storage, policy, options):
     """Window and sink decide by position alone: over the same ragged schedule every layer holds
-    the same positions in the same slots as with full precision."""
+    the same positions in the same slots as with full precision. A storage that attends a
+    chunk's tokens exactly as it stores them is, like full precision, independent of chunking
+    and batching; KIVI attends a chunk's keys at full precision before placing them (as KIVI
+    does a prompt), so its chunked results differ by about the quantization error."""
     rows = [ids_for(30, seed=s, vocab=llama.config.vocab_size)[0] for s in (1, 2)]
     schedule = [[7, 3], [1, 1], [0, 9], [12, 5], [1, 1], [1, 1], [5, 8], [1, 1]]
     caches, logits = {}, {}
@@ -171,65 +344,117 @@ def test_positional_eviction_is_identical_to_full_precision(llama, storage, poli
             logits[name] = feed(llama, caches[name], rows, schedule, after_call=lambda c, n, T: check_storage(c))
     for full, quant in zip(caches[policy].layers, caches[f"{policy}:{storage}"].layers):
         assert torch.equal(full.storage.pos, quant.storage.pos)
-    # Like full precision, the quantized cache does not depend on chunking or batching: row 0
-    # alone, one token at a time, reads the same bits.
-    alone, _ = feed_alone(llama, f"{policy}:{storage}", rows[0][:28], [1] * 28, 8, **options)
-    assert max_diff(alone, logits[f"{policy}:{storage}"][0]) <= 1e-5
+    layer = caches[f"{policy}:{storage}"].layers[0]
+    assert layer.chunking_invariant == layer.storage.exact_roundtrip
+    if layer.storage.exact_roundtrip:
+        alone, _ = feed_alone(llama, f"{policy}:{storage}", rows[0][:28], [1] * 28, 8, **options)
+        assert max_diff(alone, logits[f"{policy}:{storage}"][0]) <= FLIP_ATOL
 
 
-def test_decode_move_keeps_codes_and_empties_the_scratch_slot():
-    """The scoring decode path writes the new token to slot C and moves it over the victim."""
-    C = 4
-    quant, full = QuantizedStorage(spec(C=C, B=2), 4, per_head=True), FullStorage(spec(C=C, B=2), per_head=True)
-    k, v = torch.randn(2, 2, 1, 16), torch.randn(2, 2, 1, 16)
-    positions = torch.tensor([[5], [9]])
-    dst = torch.tensor([[[1], [3]], [[0], [2]]])  # (B, Hp, 1): each head its own victim
-    for store in (quant, full):
-        store.write_slice(C, k, v, positions)
-        codes = store.k[:, :, C].clone()
-        store.settle(dst, k, v, positions)
-        assert bool((store.pos[:, :, C] == -1).all())
-        for b in range(2):
-            for h in range(2):
-                d = int(dst[b, h])
-                assert int(store.pos[b, h, d]) == int(positions[b, 0])
-                assert torch.equal(store.k[b, h, d], codes[b, h])  # moved, not re-quantized
-    qk, qv, _ = quant.view(C)
-    fk, fv, _ = full.view(C)
-    rk, rv = quant.roundtrip(k, v)
-    index = dst.unsqueeze(-1).expand(2, 2, 1, 16)
-    assert torch.equal(qk.gather(2, index), rk) and torch.equal(qv.gather(2, index), rv)
-    assert torch.equal(fk.gather(2, index), k)
+# ----- KIVI: per-channel groups, the residual, and eviction inside a group ---------------------
 
 
-def test_scoring_policy_quantizes_a_surviving_token_once(llama):
-    """h2o:int8 through chunks (the gather path) and decode steps (the scratch slot and move):
-    the invariants of every policy hold, and a token kept across evictions keeps its codes."""
-    C = 8
-    cache = kvcache.make_cache(llama, "h2o:int8", cache_length=C, recent=2)
-    ids = ids_for(40, seed=4, vocab=llama.config.vocab_size)[0]
-    codes_of = {}
-    schedule = [[10]] + [[1]] * 6 + [[9]] + [[1]] * 5 + [[10]]
-    with torch.inference_mode():
-        feed(llama, cache, [ids], schedule, after_call=lambda c, n, T: check_storage(c))
-        store = cache.layers[0].storage
-        for h in range(store.pos.shape[1]):
-            for slot in range(C):
-                codes_of[h, int(store.pos[0, h, slot])] = store.k[0, h, slot].clone()
-        llama(ids[None, :5], cache)  # one more chunk: evicts some tokens, keeps others
-    survivors = 0
-    for h in range(store.pos.shape[1]):
-        for slot in range(C):
-            p = int(store.pos[0, h, slot])
-            if (h, p) in codes_of:
-                survivors += 1
-                assert torch.equal(store.k[0, h, slot], codes_of[h, p])
-    assert survivors > 0
+def _kivi(C=12, G=4, B=1, H=2, D=8, per_head=True):
+    return KiviStorage(spec(D=D, H=H, C=C, B=B, storage=f"kivi4/{G}"), 4, per_head, G)
+
+
+def test_kivi_groups_fill_in_slot_order():
+    """The newest tokens of an unfinished group are kept exactly; a group's last slot seals it
+    per channel; a group cut short by the end of the cache stays per token."""
+    store = _kivi(C=10, G=4)
+    x = torch.randn(1, 2, 10, 8, generator=torch.Generator().manual_seed(0))
+    store.write_slice(0, x[:, :, :6], x[:, :, :6], torch.arange(6)[None])
+    assert store.k_mode[0, 0, :6].tolist() == [CHANNEL] * 4 + [RESIDUAL] * 2
+    k, v, _ = decoded(store, 6)
+    assert torch.equal(k[:, :, 4:], x[:, :, 4:6]) and torch.equal(v[:, :, 4:], x[:, :, 4:6])
+    assert not torch.equal(k[:, :, :4], x[:, :, :4])
+    for t in range(6, 10):
+        store.write_slice(t, x[:, :, t : t + 1], x[:, :, t : t + 1], torch.tensor([[t]]))
+    assert store.k_mode[0, 0, :10].tolist() == [CHANNEL] * 8 + [TOKEN] * 2
+    assert int(store.fill[0]) == 0 and int(store.res_start[0]) == -1
+
+
+def test_kivi_eviction_inside_a_group_keeps_its_scales():
+    """A scoring policy's decode step puts its token over a slot of a sealed group: the newcomer
+    is kept per token, the group keeps its scales and the other tokens their codes."""
+    store = _kivi(C=8, G=4)
+    x = torch.randn(1, 2, 8, 8, generator=torch.Generator().manual_seed(1))
+    store.write_slice(0, x, x, torch.arange(8)[None])
+    channel, codes = store.k_channel.clone(), store.k.clone()
+    new = torch.randn(1, 2, 1, 8)
+    store.write_slice(8, new, new, torch.tensor([[8]]))
+    store.settle(torch.tensor([[[1], [6]]]), new, new, torch.tensor([[8]]))
+    assert torch.equal(store.k_channel, channel)
+    assert store.k_mode[0, 0, :8].tolist() == [CHANNEL, TOKEN] + [CHANNEL] * 6
+    assert store.k_mode[0, 1, :8].tolist() == [CHANNEL] * 6 + [TOKEN, CHANNEL]
+    untouched = torch.ones(2, 8, dtype=torch.bool)
+    untouched[0, 1] = untouched[1, 6] = False
+    assert torch.equal(store.k[0, :, :8][untouched], codes[0, :, :8][untouched])
+
+
+def test_kivi_a_token_inside_the_open_group_abandons_it():
+    store = _kivi(C=8, G=4)
+    x = torch.randn(1, 2, 6, 8)
+    store.write_slice(0, x, x, torch.arange(6)[None])
+    assert int(store.fill[0]) == 2
+    store.write_slice(8, x[:, :, :1], x[:, :, :1], torch.tensor([[6]]))
+    store.settle(torch.tensor([[[4], [0]]]), x[:, :, :1], x[:, :, :1], torch.tensor([[6]]))
+    assert int(store.fill[0]) == 0 and not bool((store.k_mode == RESIDUAL).any())
+    k, _, _ = decoded(store, 6)
+    # Slot 5 falls back to the per-token codes written with it.
+    codes, meta = encode_tokens(x[:, :, 5], 4, 8)
+    assert torch.equal(k[:, :, 5], decode_tokens(codes, meta, 4, torch.float32))
+
+
+def test_kivi_ring_rewrites_a_whole_group_before_resealing_it():
+    """A window overwrites its oldest tokens in slot order: a group reopens when its first slot is
+    rewritten, its old tokens keep the old scales until the last one is overwritten, and the new
+    group is sealed from the new tokens alone."""
+    store = _kivi(C=8, G=4, per_head=False)
+    x = torch.randn(1, 2, 14, 8, generator=torch.Generator().manual_seed(2))
+    store.write_slice(0, x[:, :, :8], x[:, :, :8], torch.arange(8)[None])
+    old = store.k_channel[:, :, 0].clone()
+    for p in range(8, 11):  # positions 8..10 overwrite slots 0..2
+        store.write_slice(p - 8, x[:, :, p : p + 1], x[:, :, p : p + 1], torch.tensor([[p]]))
+    assert store.k_mode[0, 0, :4].tolist() == [RESIDUAL] * 3 + [CHANNEL]
+    assert torch.equal(store.k_channel[:, :, 0], old)
+    k, _, _ = decoded(store, 8)
+    assert torch.equal(k[:, :, :3], x[:, :, 8:11])
+    store.write_slice(3, x[:, :, 11:12], x[:, :, 11:12], torch.tensor([[11]]))
+    assert store.k_mode[0, 0, :4].tolist() == [CHANNEL] * 4
+    q, scale, zero = quantize(x[:, :, 8:12], 4, dim=2)
+    assert torch.equal(store.k_channel[:, :, 0], torch.cat((scale, zero), 2))
+
+
+def test_kivi_keep_seals_whole_groups_of_new_tokens():
+    """A prompt compressed into an empty cache (every slot a new token) is quantized per channel."""
+    store = _kivi(C=8, G=4)
+    x = torch.randn(1, 2, 20, 8)
+    index = torch.randperm(20)[:8].expand(1, 2, 8)
+    store.keep(x, x, torch.arange(20).expand(1, 2, 20), index, stored=0)
+    assert bool((store.k_mode[:, :, :8] == CHANNEL).all())
+    assert torch.equal(store.pos[:, :, :8], index)
+
+
+@pytest.mark.parametrize("policy,options", [("h2o", dict(recent=2)), ("snapkv", dict(window=2)), ("tova", {})])
+def test_scoring_policies_with_kivi(llama, policy, options):
+    """Chunks (the gather path) and decode steps (the scratch slot and move) with groups of 4:
+    every policy invariant holds and logits stay close to full precision."""
+    rows = [ids_for(40, seed=s, vocab=llama.config.vocab_size)[0] for s in (4, 5)]
+    schedule = [[10, 6]] + [[1, 1]] * 6 + [[9, 9]] + [[1, 1]] * 5 + [[4, 2]]
+    got, want = {}, {}
+    for name, out in ((f"{policy}:int4/4", got), (policy, want)):
+        cache = kvcache.make_cache(llama, name, cache_length=8, batch_size=2, **options)
+        with torch.inference_mode():
+            out.update(enumerate(feed(llama, cache, rows, schedule, after_call=lambda c, n, T: check_storage(c))))
+    for r in range(2):
+        assert torch.isfinite(got[r]).all()
+        assert (got[r].argmax(-1) == want[r].argmax(-1)).float().mean() >= 0.6
 
 
 def test_headwise_budgets_with_quantized_storage(llama):
     budgets = [[6, 10]] * llama.config.num_layers
-    cache = kvcache.make_cache(llama, "h2o:int4", cache_length=8, head_budgets=budgets, recent=2)
+    cache = kvcache.make_cache(llama, "h2o:int4/4", cache_length=8, head_budgets=budgets, recent=2)
     full = kvcache.make_cache(llama, "h2o", cache_length=8, head_budgets=budgets, recent=2)
     assert cache.nbytes() < full.nbytes()
     with torch.inference_mode():
@@ -237,30 +462,43 @@ def test_headwise_budgets_with_quantized_storage(llama):
     assert torch.isfinite(logits).all()
 
 
-# ----- names ----------------------------------------------------------------------------------
+# ----- names and bad input --------------------------------------------------------------------
 
 
 def test_names_pair_a_policy_with_a_storage(llama, capsys):
-    assert list(kvcache.storages()) == STORAGES
+    assert list(kvcache.storages())[:4] == ["full", "int8", "int4", "int2"]
+    assert {"kivi8", "kivi4", "kivi2", "token8", "token4", "token2"} <= set(kvcache.storages())
     assert "dense" in kvcache.policies() and "dense:int8" not in kvcache.policies()
-    cache = kvcache.make_cache(llama, "h2o:int8", cache_length=8, recent=2)
-    assert cache.policy == "h2o:int8"
-    assert isinstance(cache.layers[0].storage, QuantizedStorage) and cache.layers[0].storage.bits == 8
-    assert isinstance(kvcache.make_cache(llama, "window", cache_length=8).layers[0].storage, FullStorage)
+    cache = kvcache.make_cache(llama, "h2o:int4", cache_length=8, recent=2)
+    assert cache.policy == "h2o:int4"
+    layer = cache.layers[0].storage
+    assert isinstance(layer, KiviStorage) and layer.bits == 4 and layer.key_group == 64
+    assert type(kvcache.make_cache(llama, "dense:int8", cache_length=8).layers[0].storage) is TokenStorage
+    assert kvcache.make_cache(llama, "dense:kivi2/32", cache_length=8).layers[0].storage.key_group == 32
+    assert kvcache.make_cache(llama, "dense:token4/8", cache_length=8).layers[0].storage.group == 8
     assert isinstance(kvcache.make_cache(llama, "dense:full", cache_length=8).layers[0].storage, FullStorage)
     assert kvcache.policy_options("h2o:int4") == kvcache.policy_options("h2o")
     assert main(["policies"]) == 0
     out = capsys.readouterr().out
-    assert all(name in out for name in STORAGES) and "h2o:int4" in out
+    assert all(name in out for name in ALL) and "h2o:int4" in out
 
 
-@pytest.mark.parametrize("name", ["h2o:int3", "dense:", "window:INT8", "dense:int8:int4"])
-def test_unknown_storage_names_the_valid_ones(llama, name):
-    with pytest.raises(ValueError, match="unknown storage") as err:
+@pytest.mark.parametrize("name,message", [
+    ("h2o:int3", "unsupported bits 3; supported: 2, 4, 8"), ("dense:kivi16", "unsupported bits 16"),
+    ("dense:", "unknown storage"), ("window:INT8", "unknown storage"), ("dense:int8:int4", "unknown storage"),
+    ("dense:kivi4/0", "group size must be a positive integer"),
+    ("dense:token4/5", r"a group of 5 channels must divide head_dim \(16\); valid groups: 1, 2, 4, 8, 16"),
+])
+def test_bad_storages_fail_before_any_buffer_is_allocated(llama, monkeypatch, name, message):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a buffer was allocated")
+
+    for cls in (FullStorage, TokenStorage, KiviStorage):
+        monkeypatch.setattr(cls, "__init__", refuse)
+    with pytest.raises(ValueError, match=message) as err:
         kvcache.make_cache(llama, name, cache_length=8)
-    assert all(s in str(err.value) for s in STORAGES)
-    with pytest.raises(ValueError, match="unknown storage"):
-        make_storage(spec(storage="int3"))
+    if "unknown storage" in message:
+        assert all(s in str(err.value) for s in ("full", "int4", "kivi2", "token8"))
 
 
 def test_unknown_policy_with_a_storage(llama):

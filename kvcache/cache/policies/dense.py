@@ -34,9 +34,11 @@ class DenseCache(LayerCache):
             self.storage.write_slice(step.start0, k, v, step.positions)
         else:
             self.storage.write(step.append_slot, k, v, step.positions)
-        if step.fresh:
+        if step.fresh and not self.storage.packed:
             # Attend over the bits the cache keeps, as every later step will: the result then
-            # does not depend on how the sequence is chunked, whatever the storage.
+            # does not depend on how the sequence is chunked, whatever the storage. (A packed
+            # storage is read from its slots like any later step: KIVI keys change layout as
+            # their group fills, and each query reads them as they were at its position.)
             return attention.causal(q, *self.storage.roundtrip(k, v), window=self.spec.window)
         span = step.span_end
         ks, vs, pos = self.storage.view(span)

@@ -1,0 +1,94 @@
+"""Integer codes for quantized slot buffers: packing, and asymmetric quantization with fp16 scale
+and zero point.
+
+A group of numbers x (one token's channels, or one channel over a group of tokens) becomes codes
+
+    q = round((x - zero) / scale),   q in [0, 2^bits - 1],   read back as q * scale + zero,
+
+with ``zero`` the group's minimum rounded down to fp16 and ``scale`` = (max - zero) / (2^bits - 1)
+rounded up to fp16. Rounding outward keeps every element inside the range the codes span, so each
+comes back within scale / 2 (plus the rounding of the result to the model's dtype), and the min and
+max map to codes 0 and 2^bits - 1. A constant group has scale 0 and comes back exactly.
+
+Packing: ``8 // bits`` codes share a byte; element ``per * i + j`` of a row sits in bits
+``[j * bits, (j + 1) * bits)`` of byte i (int4: element 2i in the low nibble).
+"""
+
+from __future__ import annotations
+
+import torch
+
+BITS = (2, 4, 8)
+FP16_MAX = 65504.0
+
+
+def levels(bits: int) -> int:
+    return 2**bits - 1
+
+
+def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """q: (..., D) uint8 codes below 2^bits -> (..., D * bits / 8) uint8."""
+    per = 8 // bits
+    if per == 1:
+        return q
+    q = q.unflatten(-1, (-1, per))
+    out = q[..., 0].clone()
+    for j in range(1, per):
+        out |= q[..., j] << (j * bits)
+    return out
+
+
+def unpack(c: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of ``pack``: (..., D * bits / 8) uint8 -> (..., D) uint8."""
+    per = 8 // bits
+    if per == 1:
+        return c
+    mask = levels(bits)
+    return torch.stack([(c >> (j * bits)) & mask for j in range(per)], -1).flatten(-2)
+
+
+def _fp16(x: torch.Tensor, up: bool) -> torch.Tensor:
+    """x (float32) rounded to fp16 toward +inf (``up``) or -inf, within fp16's finite range."""
+    x = x.clamp(-FP16_MAX, FP16_MAX)
+    h = x.half()
+    wrong = h.float() < x if up else h.float() > x
+    target = torch.full_like(h, float("inf") if up else float("-inf"))
+    return torch.where(wrong, torch.nextafter(h, target), h)
+
+
+def quantize(x: torch.Tensor, bits: int, dim: int, valid: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize x over dimension ``dim`` (the group). Returns unpacked codes (x's shape, uint8)
+    and fp16 scale and zero with ``dim`` kept as size 1. ``valid`` (broadcastable to x, bool)
+    leaves elements out of the range (the missing slots of a partial group); their codes are 0."""
+    x = x.float()
+    lo_in, hi_in = (x, x) if valid is None else (x.masked_fill(~valid, float("inf")), x.masked_fill(~valid, float("-inf")))
+    lo = lo_in.amin(dim, keepdim=True)
+    hi = hi_in.amax(dim, keepdim=True)
+    if valid is not None:
+        # A group with no valid element: any finite range will do.
+        empty = torch.isinf(lo)
+        lo, hi = lo.masked_fill(empty, 0.0), hi.masked_fill(empty, 0.0)
+    zero = _fp16(lo, up=False)
+    scale = _fp16((hi - zero.float()) / levels(bits), up=True)
+    s = scale.float()
+    q = ((x - zero.float()) / torch.where(s > 0, s, 1.0)).round_().clamp_(0, levels(bits))
+    if valid is not None:
+        q = q.masked_fill(~valid, 0)
+    return q.to(torch.uint8), scale, zero
+
+
+def encode_tokens(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token codes: x (..., D) in groups of ``group`` channels -> packed codes
+    (..., D * bits / 8) uint8 and meta (..., 2 * D / group) fp16 (the scales, then the zeros)."""
+    g = x.unflatten(-1, (-1, group))  # (..., n, group)
+    q, scale, zero = quantize(g, bits, dim=-1)
+    return pack(q.flatten(-2), bits), torch.cat((scale, zero), -2).flatten(-2)
+
+
+def decode_tokens(c: torch.Tensor, meta: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of ``encode_tokens``: (..., D) at ``dtype``."""
+    q = unpack(c, bits)
+    scale, zero = meta.float().unflatten(-1, (2, -1, 1)).unbind(-3)  # (..., n, 1) each
+    g = q.unflatten(-1, (scale.shape[-2], -1)).float().mul_(scale).add_(zero)
+    return g.flatten(-2).to(dtype)

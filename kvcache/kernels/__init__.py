@@ -1,0 +1,59 @@
+"""Attention over packed codes: the one place a kernel is chosen.
+
+``attention.py``'s functions hand packed keys and values (``PackedKeys``, ``PackedValues``, what a
+quantized storage's ``view`` returns) to ``attend`` and ``decode`` here, with the same arguments
+they take. A decode step on CUDA runs the Triton kernel (triton_decode.py) when Triton is
+installed; everything else, and CUDA without Triton, runs the blocked PyTorch path (blocked.py).
+Triton is imported only when a CUDA decode step first needs it; set ``KVCACHE_TRITON=0`` to keep
+the blocked path on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+from . import blocked
+from .packed import CHANNEL, RESIDUAL, TOKEN, PackedKeys, PackedValues
+
+__all__ = ["CHANNEL", "RESIDUAL", "TOKEN", "PackedKeys", "PackedValues", "attend", "decode", "is_packed"]
+
+_triton_decode = None
+_triton_checked = False
+
+
+def is_packed(x: object) -> bool:
+    return isinstance(x, (PackedKeys, PackedValues))
+
+
+def attend(q, k, v, q_pos, k_pos, **rule):
+    """``blocked.attend``: queries against packed slots, with mass and seen given ``q_weight``."""
+    return blocked.attend(q, k, v, q_pos, k_pos, **rule)
+
+
+def decode(q: torch.Tensor, k: PackedKeys, v: PackedValues, visible: torch.Tensor | None, *,
+           q_sink: torch.Tensor | None = None, sink_slots: int = 0, want_mass: bool = False):
+    """One query per row against packed slots: ``attention.decode``'s arguments and results."""
+    if q.is_cuda and q_sink is None and k.tail is None and v.tail is None:
+        fn = _triton()
+        if fn is not None:
+            return fn(q, k, v, visible, want_mass=want_mass)
+    return blocked.decode(q, k, v, visible, q_sink=q_sink, sink_slots=sink_slots, want_mass=want_mass)
+
+
+def _triton():
+    """The Triton decode kernel, or None (not installed, or disabled): imported on first use."""
+    global _triton_decode, _triton_checked
+    if not _triton_checked:
+        _triton_checked = True
+        if os.environ.get("KVCACHE_TRITON", "1") != "0":
+            try:
+                from .triton_decode import decode as fn
+            except ImportError as e:
+                warnings.warn(f"Triton is not available ({e}): quantized decode on CUDA runs the blocked "
+                              "PyTorch path, which is slower; install triton for the fused kernel", stacklevel=3)
+            else:
+                _triton_decode = fn
+    return _triton_decode

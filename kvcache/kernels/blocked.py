@@ -1,0 +1,208 @@
+"""Attention over packed codes, one block of slots at a time (any device; the CPU path).
+
+Keys and values stay packed: each block of ``BLOCK`` slots is converted from codes to float32
+(the scales go on queries, weights and scores, see packed.py), scored, and folded into an online
+softmax (running max m, running sum l, running output), so extra memory follows the block and
+the query block, never the cache. Grouped query heads are folded into the query axis,
+(B, Hq, T, D) -> (B, Hkv, G * T, D): every K/V head is read once for its G query heads and
+never repeated. Masks come from positions (or a given visibility vector) one block at a time.
+
+Attention mass (for scoring policies): a decode step keeps each block's scores (G per slot) and
+normalises them once the final max and sum are known; a chunk sweeps the blocks a second time
+with the final max and sum, so its memory stays at one block of scores per query block.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .packed import PackedKeys, PackedValues
+
+# Slots converted from codes at a time. A multiple of every key group size used (the KIVI
+# groups of 32 or 64 slots); 256 keeps a block of float32 keys for 8 heads of 128 channels
+# (1 MiB) in the L2 cache of the CPUs measured.
+BLOCK = 256
+# Queries whose scores against one block of slots exist at a time.
+QUERY_BLOCK = 256
+
+
+def _blocks(k: PackedKeys) -> list[tuple[int, int]]:
+    """Slot ranges: the packed slots in blocks aligned to key groups, then the tail."""
+    S = k.slots
+    step = BLOCK if not k.group else max(k.group, BLOCK // k.group * k.group)
+    spans = [(s, min(s + step, S)) for s in range(0, S, step)]
+    total = k.shape[2]
+    spans += [(s, min(s + BLOCK, total)) for s in range(S, total, BLOCK)]
+    return spans
+
+
+def _scores(k: PackedKeys, q: torch.Tensor, q_pos: torch.Tensor | None, s0: int, s1: int) -> torch.Tensor:
+    """q (B, H, R, D) float32 against slots [s0, s1) (packed or tail): (B, H, R, s1 - s0)."""
+    S = k.slots
+    if s0 >= S:
+        return q @ k.tail[:, :, s0 - S : s1 - S].float().transpose(-1, -2)
+    return k.scores(q, q_pos, s0, s1)
+
+
+def _mix(v: PackedValues, p: torch.Tensor, s0: int, s1: int, q_pos: torch.Tensor | None) -> torch.Tensor:
+    S = v.slots
+    if s0 >= S:
+        return p @ v.tail[:, :, s0 - S : s1 - S].float()
+    return v.mix(p, s0, s1, q_pos)
+
+
+def _fold(x: torch.Tensor, H: int) -> torch.Tensor:
+    """(B, Hq, T, D) -> (B, H, G * T, D), query head h * G + g of token t at row g * T + t."""
+    B, Hq, T, D = x.shape
+    return x.reshape(B, H, (Hq // H) * T, D)
+
+
+def _rows(x: torch.Tensor, G: int) -> torch.Tensor:
+    """A per-query (B, ..., T, S) tensor repeated for the G heads of a group: (B, ..., G * T, S)."""
+    return x.unsqueeze(-3).expand(*x.shape[:-2], G, *x.shape[-2:]).flatten(-3, -2)
+
+
+class _Softmax:
+    """Online softmax state over key blocks for (B, H, R) query rows."""
+
+    def __init__(self, B: int, H: int, R: int, D: int, device: torch.device) -> None:
+        self.m = torch.full((B, H, R, 1), float("-inf"), device=device)
+        self.l = torch.zeros(B, H, R, 1, device=device)
+        self.acc = torch.zeros(B, H, R, D, device=device)
+
+    def add(self, scores: torch.Tensor, v: PackedValues, s0: int, s1: int, q_pos: torch.Tensor | None) -> None:
+        m = torch.maximum(self.m, scores.amax(-1, keepdim=True))
+        # Rows that have seen no visible key yet keep max -inf: shift them by 0 instead.
+        m_safe = torch.where(torch.isinf(m), 0.0, m)
+        p = torch.exp(scores - m_safe)
+        alpha = torch.exp(self.m - m_safe)
+        self.l = self.l * alpha + p.sum(-1, keepdim=True)
+        self.acc = self.acc * alpha + _mix(v, p, s0, s1, q_pos)
+        self.m = m
+
+    def out(self) -> torch.Tensor:
+        # A row with no visible key (padding) gets 0, not NaN; its output is never read.
+        return self.acc / self.l.clamp(min=torch.finfo(torch.float32).tiny)
+
+    def weights(self, scores: torch.Tensor) -> torch.Tensor:
+        """Normalised softmax weights of ``scores`` (masked entries -inf) under the final state."""
+        m_safe = torch.where(torch.isinf(self.m), 0.0, self.m)
+        return torch.exp(scores - m_safe) / self.l.clamp(min=torch.finfo(torch.float32).tiny)
+
+
+def attend(
+    q: torch.Tensor,
+    k: PackedKeys,
+    v: PackedValues,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    *,
+    window: int | None = None,
+    sinks: int = 0,
+    limit: int | None = None,
+    all_visible: bool = False,
+    q_weight: torch.Tensor | None = None,
+    q_sink: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Queries at ``q_pos`` against packed slots at ``k_pos``, as ``attention.masked`` (and,
+    with ``q_weight``, ``attention.masked_with_weights``).
+
+    q: (B, Hq, T, D); q_pos: (B, T); k_pos: (B, Hp, S); visibility as ``attention.visibility``.
+    ``q_sink`` (B, Hq, T, D) scores keys at positions below ``sinks`` instead of q.
+    Returns out (B, Hq, T, D) and, with ``q_weight`` (B, T), mass (B, Hkv, S) and seen (B, Hp, S)
+    as ``masked_with_weights`` defines them (else None, None).
+    """
+    from ..attention import visibility
+
+    B, Hq, T, D = q.shape
+    H = k.shape[1]
+    G = Hq // H
+    spans = _blocks(k)
+    # Host-side bounds of each block's positions, to skip blocks no query of a query block can
+    # see (the future half of a causal prefill): one device sync per call.
+    kp = k_pos.masked_fill(k_pos < 0, torch.iinfo(torch.long).max)
+    lows = torch.stack([kp[..., s0:s1].amin() for s0, s1 in spans]).tolist()
+    has_sink = [lo < sinks for lo in lows] if q_sink is not None else [False] * len(spans)
+    scale = D**-0.5
+    out = torch.empty_like(q)
+    mass = seen = None
+    if q_weight is not None:
+        mass = torch.zeros(B, H, k.shape[2], device=q.device)
+        seen = torch.zeros(B, k_pos.shape[1], k.shape[2], device=q.device)
+    for t0 in range(0, T, QUERY_BLOCK):
+        t1 = min(t0 + QUERY_BLOCK, T)
+        n = t1 - t0
+        qb = _fold(q[:, :, t0:t1].float() * scale, H)  # (B, H, G * n, D)
+        qs = None if q_sink is None else _fold(q_sink[:, :, t0:t1].float() * scale, H)
+        pos_rows = q_pos[:, t0:t1].repeat(1, G)  # (B, G * n)
+        newest = int(q_pos[:, t0:t1].max())
+        live = [i for i, lo in enumerate(lows) if lo <= newest]
+        state = _Softmax(B, H, G * n, D, q.device)
+
+        def block_scores(i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+            s0, s1 = spans[i]
+            sc = _scores(k, qb, pos_rows, s0, s1)
+            if has_sink[i]:
+                sink_cols = (k_pos[..., s0:s1] < sinks).unsqueeze(2)  # (B, Hp, 1, m)
+                sc = torch.where(sink_cols, _scores(k, qs, pos_rows, s0, s1), sc)
+            if all_visible:
+                return sc, None
+            vis = visibility(q_pos[:, t0:t1], k_pos[..., s0:s1], window, sinks, limit)  # (B, Hp, n, m)
+            return sc.masked_fill(~_rows(vis, G), float("-inf")), vis
+
+        for i in live:
+            sc, _ = block_scores(i)
+            state.add(sc, v, *spans[i], pos_rows)
+        out[:, :, t0:t1] = state.out().view(B, Hq, n, D).to(q.dtype)
+        if q_weight is None:
+            continue
+        w = q_weight[:, t0:t1].float()
+        w_rows = w.repeat(1, G)[:, None, None, :]  # (B, 1, 1, G * n)
+        for i in live:
+            s0, s1 = spans[i]
+            sc, vis = block_scores(i)
+            mass[..., s0:s1] += (w_rows @ state.weights(sc)).squeeze(2)
+            vis_f = torch.ones(B, 1, n, s1 - s0, device=q.device) if vis is None else vis.float()
+            seen[..., s0:s1] += (w[:, None, None, :] @ vis_f).squeeze(2)
+    return out, mass, seen
+
+
+def decode(
+    q: torch.Tensor,
+    k: PackedKeys,
+    v: PackedValues,
+    visible: torch.Tensor | None,
+    *,
+    q_sink: torch.Tensor | None = None,
+    sink_slots: int = 0,
+    want_mass: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One query per row against the packed slots, as ``attention.decode``.
+
+    q: (B, Hq, 1, D); visible: (B, Hp, S) bool or None (all visible); ``q_sink`` scores slots
+    [0, sink_slots). Returns out (B, Hq, 1, D) and, with ``want_mass``, the attention each slot
+    received summed over the G query heads of its group: (B, Hkv, S) float32.
+    """
+    B, Hq, _, D = q.shape
+    H = k.shape[1]
+    G = Hq // H
+    scale = D**-0.5
+    qr = q.float().reshape(B, H, G, D) * scale
+    qs = None if q_sink is None else q_sink.float().reshape(B, H, G, D) * scale
+    state = _Softmax(B, H, G, D, q.device)
+    kept = []
+    for s0, s1 in _blocks(k):
+        # A decode query follows every group completion, so staged copies are never read.
+        sc = _scores(k, qr, None, s0, s1)
+        if qs is not None and s0 < sink_slots:
+            cols = torch.arange(s0, s1, device=q.device) < sink_slots
+            sc = torch.where(cols, _scores(k, qs, None, s0, s1), sc)
+        if visible is not None:
+            sc = sc.masked_fill(~visible[..., s0:s1].unsqueeze(2), float("-inf"))
+        state.add(sc, v, s0, s1, None)
+        if want_mass:
+            kept.append(sc)
+    out = state.out().view(B, Hq, 1, D).to(q.dtype)
+    if not want_mass:
+        return out, None
+    return out, state.weights(torch.cat(kept, -1)).sum(2)

@@ -1,0 +1,324 @@
+"""Packed views: what a quantized storage's ``view`` returns instead of decoded tensors.
+
+A ``PackedKeys`` or ``PackedValues`` describes the first S slots of a layer's buffers as codes
+plus their scales. Attention (kernels/) reads it one block of slots at a time and never decodes
+the whole. Anything else that uses it as a tensor (a policy hook reading ``c.keys``, a test)
+gets it decoded on first use: the views take part in torch functions through
+``__torch_function__`` and forward tensor attributes to the decoded tensor, so policies need
+not know the storage.
+
+A view may carry a full-precision ``tail`` (B, Hkv, T, D) after its S slots: the new tokens of
+an evicting cache's chunk, which are attended (and ranked) with the kept slots before any of
+them is placed. ``torch.cat((view, tail), dim=2)`` builds it; ``view[:, :, S:]`` is the tail.
+
+Shapes: B batch rows, H K/V heads, S slots, D head_dim, Db = D * bits / 8 bytes of codes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from ..cache.codes import unpack
+
+# Key layouts, per slot (``PackedKeys.mode``).
+CHANNEL = 0  # codes scaled per channel by the slot's group of ``group`` slots (KIVI)
+TOKEN = 1  # codes scaled per token (``meta``), as values always are
+RESIDUAL = 2  # full precision, in ``residual`` (the open group's newest tokens)
+
+
+class _Packed:
+    """Shared by PackedKeys and PackedValues: the decoded-on-use tensor behaviour."""
+
+    codes: torch.Tensor
+    dtype: torch.dtype
+    tail: torch.Tensor | None
+
+    @property
+    def slots(self) -> int:
+        """S, the packed slots (the tail excluded)."""
+        return self.codes.shape[2]
+
+    @property
+    def shape(self) -> torch.Size:
+        B, H, S, _ = self.codes.shape
+        return torch.Size((B, H, S + (0 if self.tail is None else self.tail.shape[2]), self.head_dim))
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.tail is not None and self.tail.requires_grad
+
+    def size(self, dim: int | None = None):
+        return self.shape if dim is None else self.shape[dim]
+
+    def dim(self) -> int:
+        return 4
+
+    def detach(self):
+        # Codes carry no gradient; only a tail can.
+        return self if self.tail is None else dataclasses.replace(self, tail=self.tail.detach())
+
+    def data_ptr(self) -> int:
+        """The key (or value) code buffer's: a view is identified with the buffer it reads."""
+        return self.codes.data_ptr()
+
+    def decoded(self) -> torch.Tensor:
+        """Every slot read back at the model's dtype, the tail appended: (B, H, S + T, D)."""
+        out = self.decode(0, self.slots)
+        return out if self.tail is None else torch.cat((out, self.tail.to(out.dtype)), dim=2)
+
+    def with_tail(self, tail: torch.Tensor):
+        if self.tail is not None:
+            tail = torch.cat((self.tail, tail), dim=2)
+        return dataclasses.replace(self, tail=tail)
+
+    def __getitem__(self, index):
+        # The tail alone (``c.keys[:, :, stored:]`` in a ring's chunk path) stays as it is.
+        if (self.tail is not None and isinstance(index, tuple) and len(index) == 3
+                and index[0] == slice(None) and index[1] == slice(None)
+                and index[2] == slice(self.slots, None)):
+            return self.tail
+        return self.decoded()[index]
+
+    def __getattr__(self, name: str):
+        # Any other tensor attribute or method: the decoded tensor's.
+        if name.startswith("_") or name in {f.name for f in dataclasses.fields(self)}:
+            raise AttributeError(name)
+        return getattr(self.decoded(), name)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.cat:
+            tensors = args[0]
+            dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+            if (len(tensors) == 2 and isinstance(tensors[0], _Packed) and isinstance(tensors[1], torch.Tensor)
+                    and dim in (2, -2)):
+                return tensors[0].with_tail(tensors[1])
+        return func(*_decode_all(args), **_decode_all(kwargs))
+
+
+def _decode_all(x):
+    if isinstance(x, _Packed):
+        return x.decoded()
+    if isinstance(x, (list, tuple)):
+        return type(x)(_decode_all(a) for a in x)
+    if isinstance(x, dict):
+        return {k: _decode_all(a) for k, a in x.items()}
+    return x
+
+
+@dataclass(eq=False)
+class PackedValues(_Packed):
+    """Values kept per token.
+
+    codes: (B, H, S, Db) uint8; meta: (B, H, S, 2 * n) fp16, the scales then the zero points of
+    n groups of D / n channels per token. KIVI adds, as for its keys (``PackedKeys``): ``mode``,
+    whose RESIDUAL slots read ``residual`` (B, H, group, D) at full precision, and the staged
+    full-precision values of groups completed by the last write (``stage``, ``stage_of``,
+    ``seal_pos``).
+    """
+
+    codes: torch.Tensor
+    meta: torch.Tensor
+    bits: int
+    head_dim: int
+    dtype: torch.dtype
+    tail: torch.Tensor | None = None
+    mode: torch.Tensor | None = None
+    group: int = 0
+    residual: torch.Tensor | None = None
+    res_start: torch.Tensor | None = None
+    stage: torch.Tensor | None = None
+    stage_of: torch.Tensor | None = None
+    seal_pos: torch.Tensor | None = None
+
+    def decode(self, s0: int, s1: int) -> torch.Tensor:
+        """Slots [s0, s1) at the model's dtype: (B, H, s1 - s0, D)."""
+        out = _decode_tokens(self.codes[:, :, s0:s1], self.meta[:, :, s0:s1], self.bits)
+        if self.mode is not None:
+            res = _rows_of(self.residual, self.res_start, torch.arange(s0, s1, device=self.device)).float()
+            out = torch.where(self.mode[:, :, s0:s1, None] == RESIDUAL, res, out)
+        return out.to(self.dtype)
+
+    def mix(self, p: torch.Tensor, s0: int, s1: int, q_pos: torch.Tensor | None = None) -> torch.Tensor:
+        """sum_s p[..., s] * value[s] over slots [s0, s1): p (B, H, R, s1 - s0) float32 -> (B, H, R, D).
+        ``q_pos`` (B, R): each row's position, for staged values (None: none are read).
+
+        Scales and zero points are applied to the weights, not to the codes: with n groups,
+        p @ (q * scale + zero) = (p * scale) @ q + p @ zero per group, so the only pass over the
+        block is converting its codes to float."""
+        if self.mode is None:
+            return self._mix_codes(p, s0, s1)
+        slots = torch.arange(s0, s1, device=p.device)
+        resid = self.mode[:, :, s0:s1].unsqueeze(2) == RESIDUAL  # (B, H, 1, m)
+        staged = _staged_mask(self, q_pos, s0, s1)  # (B, 1, R, m) or None
+        full = resid if staged is None else resid | staged
+        out = self._mix_codes(torch.where(full, 0.0, p), s0, s1)
+        if _any(resid):
+            out = out + torch.where(resid, p, 0.0) @ _rows_of(self.residual, self.res_start, slots).float()
+        if staged is not None:
+            out = out + torch.where(staged & ~resid, p, 0.0) @ _staged_rows(self, s0, s1).float()
+        return out
+
+    def _mix_codes(self, p: torch.Tensor, s0: int, s1: int) -> torch.Tensor:
+        q = unpack(self.codes[:, :, s0:s1], self.bits).float()  # (B, H, m, D)
+        scale, zero = self.meta[:, :, s0:s1].float().unflatten(-1, (2, -1)).unbind(-2)  # (B, H, m, n)
+        n = scale.shape[-1]
+        if n == 1:
+            return (p * scale[..., 0].unsqueeze(-2)) @ q + p @ zero
+        # Per group of channels: (B, H, n, R, m) @ (B, H, n, m, D / n).
+        pg = p.unsqueeze(2) * scale.transpose(-1, -2).unsqueeze(-2)
+        out = pg @ q.unflatten(-1, (n, -1)).transpose(2, 3) + (p @ zero).transpose(-1, -2).unsqueeze(-1)
+        return out.permute(0, 1, 3, 2, 4).flatten(-2)
+
+
+@dataclass(eq=False)
+class PackedKeys(_Packed):
+    """Keys, per token or (KIVI) per channel over groups of ``group`` slots.
+
+    codes:    (B, H, S, Db) uint8.
+    meta:     (B, H, S, 2 * n) fp16 per-token scales then zero points (n groups of channels);
+              used by slots in TOKEN mode (every slot when ``mode`` is None).
+    mode:     (B, H, S) uint8 CHANNEL / TOKEN / RESIDUAL, or None (per-token layout).
+    channel:  (B, H, NB, 2, D) fp16 scale and zero point of each channel over each group of
+              ``group`` slots (group j covers slots [j * group, (j + 1) * group)).
+    residual: (B, H, group, D) full-precision keys of each row's open group, whose slot
+              ``res_start[b] + i`` is entry i; ``res_start`` (B,) long, -1 when no group is open.
+    stage, stage_of, seal_pos: what a query that precedes a group's completion saw. Groups
+              completed by the write that preceded this view were full precision before it:
+              stage (B, H, NS, group, D) holds them, stage_of (B, NB) long names each group's
+              entry (-1: none), seal_pos (B, NB) long the position of the token that completed
+              it. A query at a position below seal_pos reads the staged keys (chunk-independence:
+              a chunk sees what token-by-token decoding saw).
+    """
+
+    codes: torch.Tensor
+    meta: torch.Tensor
+    bits: int
+    head_dim: int
+    dtype: torch.dtype
+    tail: torch.Tensor | None = None
+    mode: torch.Tensor | None = None
+    channel: torch.Tensor | None = None
+    group: int = 0
+    residual: torch.Tensor | None = None
+    res_start: torch.Tensor | None = None
+    stage: torch.Tensor | None = None
+    stage_of: torch.Tensor | None = None
+    seal_pos: torch.Tensor | None = None
+
+    def decode(self, s0: int, s1: int) -> torch.Tensor:
+        """Slots [s0, s1) at the model's dtype, as a query after every completed group reads them."""
+        tok = _decode_tokens(self.codes[:, :, s0:s1], self.meta[:, :, s0:s1], self.bits)
+        if self.mode is None:
+            return tok.to(self.dtype)
+        mode = self.mode[:, :, s0:s1].unsqueeze(-1)
+        slots = torch.arange(s0, s1, device=self.device)
+        scale, zero = self.channel[:, :, slots // self.group].float().unbind(-2)  # (B, H, m, D)
+        ch = unpack(self.codes[:, :, s0:s1], self.bits).float() * scale + zero
+        res = _rows_of(self.residual, self.res_start, slots).float()
+        out = torch.where(mode == CHANNEL, ch, torch.where(mode == RESIDUAL, res, tok))
+        return out.to(self.dtype)
+
+    def scores(self, q: torch.Tensor, q_pos: torch.Tensor | None, s0: int, s1: int) -> torch.Tensor:
+        """q (B, H, R, D) float32, already scaled -> q . key[s] (B, H, R, s1 - s0) float32.
+
+        ``q_pos`` (B, R): each query row's position, for staged groups (None: no staged reads).
+        Scales are applied to queries and scores, not to the codes: per token,
+        q . (c * scale + zero) = scale * (q . c) + zero * sum(q); per channel over a group,
+        q . (c * S + Z) = (q * S) . c + q . Z."""
+        q_codes = unpack(self.codes[:, :, s0:s1], self.bits).float()  # (B, H, m, D)
+        if self.mode is None:
+            return _token_scores(q, q_codes, self.meta[:, :, s0:s1].float())
+        mode = self.mode[:, :, s0:s1].unsqueeze(2)  # (B, H, 1, m)
+        out = q.new_zeros(q.shape[:3] + (s1 - s0,))
+        if _any(mode == TOKEN):
+            out = torch.where(mode == TOKEN, _token_scores(q, q_codes, self.meta[:, :, s0:s1].float()), out)
+        if _any(mode == CHANNEL):
+            out = torch.where(mode == CHANNEL, self._channel_scores(q, q_codes, s0, s1), out)
+        if _any(mode == RESIDUAL):
+            res = _rows_of(self.residual, self.res_start, torch.arange(s0, s1, device=q.device)).float()
+            out = torch.where(mode == RESIDUAL, q @ res.transpose(-1, -2), out)
+        staged = _staged_mask(self, q_pos, s0, s1)
+        if staged is not None:
+            out = torch.where(staged, q @ _staged_rows(self, s0, s1).float().transpose(-1, -2), out)
+        return out
+
+    def _channel_scores(self, q: torch.Tensor, q_codes: torch.Tensor, s0: int, s1: int) -> torch.Tensor:
+        """Scores of slots [s0, s1) (s0 a multiple of ``group``) as CHANNEL slots."""
+        G = self.group
+        m = s1 - s0
+        n = -(-m // G)
+        g0 = s0 // G
+        scale, zero = self.channel[:, :, g0 : g0 + n].float().unbind(-2)  # (B, H, n, D)
+        if n * G != m:
+            # A partial last group: pad its codes (the padded scores are cut off below).
+            q_codes = torch.cat((q_codes, q_codes.new_zeros(q_codes.shape[:2] + (n * G - m, q_codes.shape[-1]))), 2)
+        # (B, H, n, R, D) @ (B, H, n, D, G) -> (B, H, n, R, G)
+        raw = (q.unsqueeze(2) * scale.unsqueeze(3)) @ q_codes.unflatten(2, (n, G)).transpose(-1, -2)
+        raw = raw + (q @ zero.transpose(-1, -2)).transpose(-1, -2).unsqueeze(-1)
+        return raw.permute(0, 1, 3, 2, 4).flatten(-2)[..., :m]
+
+
+def _any(mask: torch.Tensor) -> bool:
+    """Whether any element is set; True while compiling (no host read: every branch is computed)."""
+    return torch.compiler.is_compiling() or bool(mask.any())
+
+
+def _rows_of(residual: torch.Tensor, res_start: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """(B, H, m, D): the residual entry of each of ``slots`` (m,) (garbage where not RESIDUAL)."""
+    B, H, G, D = residual.shape
+    idx = (slots[None, :] - res_start[:, None]).clamp(0, G - 1)  # (B, m)
+    return residual.gather(2, idx[:, None, :, None].expand(B, H, -1, D))
+
+
+def _staged_mask(x, q_pos: torch.Tensor | None, s0: int, s1: int) -> torch.Tensor | None:
+    """(B, 1, R, m) bool: which query rows read slots [s0, s1) from the staged full-precision
+    copy (their group was completed after them, within the last write), or None."""
+    if q_pos is None or x.stage_of is None:
+        return None
+    groups = torch.arange(s0, s1, device=q_pos.device) // x.group
+    entry = x.stage_of[:, groups]  # (B, m)
+    if not bool((entry >= 0).any()):
+        return None
+    return (entry >= 0)[:, None, None, :] & (q_pos[:, None, :, None] < x.seal_pos[:, groups][:, None, None, :])
+
+
+def _staged_rows(x, s0: int, s1: int) -> torch.Tensor:
+    """(B, H, m, D): the staged copy of slots [s0, s1) (garbage where not staged)."""
+    G = x.group
+    B, H, NS, _, D = x.stage.shape
+    slots = torch.arange(s0, s1, device=x.stage.device)
+    entry = x.stage_of[:, slots // G].clamp(min=0)  # (B, m)
+    idx = entry * G + slots % G
+    return x.stage.flatten(2, 3).gather(2, idx[:, None, :, None].expand(B, H, -1, D))
+
+
+def _decode_tokens(codes: torch.Tensor, meta: torch.Tensor, bits: int) -> torch.Tensor:
+    """Per-token codes (B, H, m, Db) and meta (B, H, m, 2n) -> float32 (B, H, m, D)."""
+    q = unpack(codes, bits).float()
+    scale, zero = meta.float().unflatten(-1, (2, -1)).unbind(-2)  # (B, H, m, n)
+    n = scale.shape[-1]
+    g = q.unflatten(-1, (n, -1)) * scale.unsqueeze(-1) + zero.unsqueeze(-1)
+    return g.flatten(-2)
+
+
+def _token_scores(q: torch.Tensor, q_codes: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
+    """q (B, H, R, D) against per-token codes (B, H, m, D) with meta (B, H, m, 2n): (B, H, R, m)."""
+    scale, zero = meta.unflatten(-1, (2, -1)).unbind(-2)  # (B, H, m, n)
+    n = scale.shape[-1]
+    if n == 1:
+        raw = q @ q_codes.transpose(-1, -2)
+        return raw * scale[..., 0].unsqueeze(-2) + q.sum(-1, keepdim=True) * zero[..., 0].unsqueeze(-2)
+    # Per group of channels: (B, H, n, R, D / n) @ (B, H, n, D / n, m).
+    qg = q.unflatten(-1, (n, -1)).transpose(2, 3)
+    raw = qg @ q_codes.unflatten(-1, (n, -1)).permute(0, 1, 3, 4, 2)  # (B, H, n, R, m)
+    raw = raw * scale.permute(0, 1, 3, 2).unsqueeze(-2) + qg.sum(-1, keepdim=True) * zero.permute(0, 1, 3, 2).unsqueeze(-2)
+    return raw.sum(2)
