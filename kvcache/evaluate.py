@@ -49,8 +49,13 @@ class Grid:
 
 def _cells(grid: Grid) -> list[tuple[str, float]]:
     """(policy, budget) pairs; dense is the reference and runs once, at full budget."""
-    return [(p, 1.0) if p == "dense" else (p, b) for p in grid.policies for b in
-            ([1.0] if p == "dense" else grid.budgets)]
+    return [(p, 1.0) if _keeps_all(p) else (p, b) for p in grid.policies for b in
+            ([1.0] if _keeps_all(p) else grid.budgets)]
+
+
+def _keeps_all(policy: str) -> bool:
+    """Dense at any storage (``dense:int4``): it has no budget, it holds the whole context."""
+    return policy.partition(":")[0] == "dense"
 
 
 @torch.inference_mode()
@@ -76,7 +81,7 @@ def passkey(model, tasks: TaskMaker, policy: str, budget: float, length: int, de
         prompt, answer = tasks.passkey(length, depth=depth)
         question = len(tasks.encode(PASSKEY_QUESTION))
         context = len(prompt) - question
-        cache_length = len(prompt) + len(answer) if policy == "dense" else max(8, round(budget * context))
+        cache_length = len(prompt) + len(answer) if _keeps_all(policy) else max(8, round(budget * context))
         cache = make_cache(model, policy, cache_length=cache_length, **budget_options(policy, cache_length))
         # query_agnostic: the first chunk is the context alone, so the cache is compressed
         # before the question arrives.
