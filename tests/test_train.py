@@ -133,6 +133,14 @@ def test_errors(llama, kwargs, message):
         kvcache.chunked_loss(llama, random_ids(10), **kwargs)
 
 
+def test_second_backward_is_refused(llama):
+    loss = kvcache.chunked_loss(llama, random_ids(8), chunk=4)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="already backpropagated"):
+        loss.backward()
+    llama.zero_grad(set_to_none=True)
+
+
 def test_input_errors(llama):
     with pytest.raises(ValueError, match="at least 2 tokens"):
         kvcache.chunked_loss(llama, random_ids(1))

@@ -258,6 +258,9 @@ class _ChunkedLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        if ctx.plan is None:
+            raise RuntimeError("this chunked_loss was already backpropagated (its recorded keys and values are "
+                               "freed by the first backward); call chunked_loss again")
         grads = ctx.plan.backward(grad, list(ctx.params))
         ctx.plan = None  # the recorded keys and values are freed with the graph
         return (None, *grads)
