@@ -57,11 +57,12 @@ class DenseCache(LayerCache):
     # ----- slots as prefixes (the prefix store): slot p holds position p ---------------------
     def shares_prefixes(self) -> bool:
         """Whether a row's first n slots are the cache of its first n tokens whatever came after,
-        so that any prefix of a stored row can be cut out of it: every storage buffer is laid
-        out per slot (not true of KIVI's per-channel groups and residual, which then store
-        whole snapshots instead)."""
+        so that any prefix of a stored row can be cut out of it: a token's bits do not depend on
+        where it is placed, and every storage buffer is laid out per slot (neither is true of
+        KIVI's per-channel key groups and residual: such a cache stores whole snapshots)."""
         slots = self.spec.cache_length + 1
-        return all(t.dim() >= 3 and t.shape[2] == slots for t in self.state().values())
+        per_slot = all(t.dim() >= 3 and t.shape[2] == slots for t in self.state().values())
+        return self.storage.exact_roundtrip and per_slot
 
     def read_slots(self, row: int, start: int, stop: int) -> dict[str, torch.Tensor]:
         """Copies of row ``row``'s slots [start, stop), which hold positions start..stop-1: every
