@@ -104,6 +104,21 @@ class _Packed:
         return func(*_decode_all(args), **_decode_all(kwargs))
 
 
+def _operator(name: str):
+    def op(self, *args):
+        return getattr(self.decoded(), name)(*_decode_all(args))
+
+    op.__name__ = name
+    return op
+
+
+# Arithmetic on a packed view is arithmetic on its decoded tensor (Python looks these up on the
+# type, not through ``__getattr__``).
+for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
+              "__rtruediv__", "__matmul__", "__rmatmul__", "__neg__", "__pow__"):
+    setattr(_Packed, _name, _operator(_name))
+
+
 def _decode_all(x):
     if isinstance(x, _Packed):
         return x.decoded()

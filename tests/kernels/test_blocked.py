@@ -1,0 +1,171 @@
+"""Attention over packed codes (kvcache/kernels/blocked.py) against the full-precision kernels
+over the same slots decoded: every layout and key mode, masks from positions (windows, sinks,
+the model's own window, per-head slots), attention mass and visibility counts, decode steps with
+and without mass, renumbered sinks, chunk tokens appended after the slots, query and key blocks
+smaller than the inputs; and that nothing decodes a whole cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvcache
+from kvcache import attention
+from kvcache.cache import CacheSpec
+from kvcache.cache.storage import make_storage
+from kvcache.kernels import CHANNEL, RESIDUAL, TOKEN, PackedKeys, PackedValues, blocked
+
+CPU = torch.device("cpu")
+ATOL = 2e-5  # float32: scales folded into queries and weights instead of applied to the codes
+LAYOUTS = ["token8", "token4/4", "token2", "kivi4/4", "kivi2/8", "kivi8/4"]
+
+
+@pytest.fixture(autouse=True)
+def small_blocks(monkeypatch):
+    """Blocks far smaller than the inputs, so every path crosses block boundaries."""
+    monkeypatch.setattr(blocked, "BLOCK", 8)
+    monkeypatch.setattr(blocked, "QUERY_BLOCK", 5)
+
+
+def filled(name: str, B=2, H=2, D=16, C=30, per_head=True, seed=0):
+    """A storage whose slots [0, 24) went through chunks, decode steps and moves, so that a KIVI
+    one holds per-channel, per-token and residual keys; its positions are a permutation."""
+    gen = torch.Generator().manual_seed(seed)
+    spec = CacheSpec(batch_size=B, num_kv_heads=H, head_dim=D, cache_length=C, dtype=torch.float32, device=CPU,
+                     storage=name)
+    store = make_storage(spec, per_head=per_head)
+    x = lambda T: 1.5 * torch.randn(B, H, T, D, generator=gen) + torch.randn(B, H, T, 1, generator=gen)
+    store.write_slice(0, x(13), x(13), torch.arange(13).expand(B, 13))
+    for t in range(13, 22):
+        store.write_slice(t, x(1), x(1), torch.full((B, 1), t))
+    k, v = x(1), x(1)
+    store.write_slice(C, k, v, torch.full((B, 1), 22))
+    store.settle(torch.tensor([[[3]] * store.pos.shape[1], [[9]] * store.pos.shape[1]]), k, v, torch.full((B, 1), 22))
+    store.write_slice(22, x(2), x(2), torch.tensor([[23, 24]] * B))  # completes group [20, 24)
+    store.write_slice(24, x(1), x(1), torch.full((B, 1), 25))  # opens the next (and stages nothing)
+    perm = torch.stack([torch.randperm(24, generator=gen) for _ in range(B * store.pos.shape[1])]).view(B, -1, 24)
+    store.pos[:, :, :24] = perm.clamp(max=40)
+    store.pos[0, :, 18:22] = -1  # empty slots in one row
+    return store
+
+
+def test_filled_storages_hold_every_key_mode():
+    modes = set(filled("kivi4/4").k_mode[:, :, :25].flatten().tolist())
+    assert modes == {CHANNEL, TOKEN, RESIDUAL}
+
+
+def _ref(store, span):
+    k, v, pos = store.view(span)
+    return k, v, pos, k.decoded(), v.decoded()
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+@pytest.mark.parametrize("rule", [dict(), dict(window=6, sinks=2), dict(limit=9), dict(all_visible=True)])
+def test_masked_matches_full_precision(name, rule):
+    store = filled(name, per_head=not rule.get("all_visible"))
+    k, v, pos, kd, vd = _ref(store, 25)
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 7, 16, generator=gen)
+    q_pos = torch.arange(18, 25).expand(2, 7)
+    if rule.get("all_visible"):
+        # A promise that every slot holds a position no query is before (a filled dense cache).
+        pos = torch.arange(25).expand(2, 1, 25)
+        store.pos[:, :, :25] = pos
+        k, v, pos, kd, vd = _ref(store, 25)
+        q_pos = q_pos + 25
+    got = attention.masked(q, k, v, q_pos, pos, **rule)
+    want = attention.masked(q, kd, vd, q_pos, pos, **rule)
+    assert (got - want).abs().max() <= ATOL
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+@pytest.mark.parametrize("sink", [False, True])
+def test_weights_mass_and_seen_match_full_precision(name, sink):
+    """Chunk tokens appended after the slots (an evicting cache's candidates) included."""
+    store = filled(name)
+    k, v, pos, kd, vd = _ref(store, 25)
+    gen = torch.Generator().manual_seed(2)
+    new_k, new_v = torch.randn(2, 2, 6, 16, generator=gen), torch.randn(2, 2, 6, 16, generator=gen)
+    new_pos = torch.arange(41, 47).expand(2, 2, 6)
+    k, v = torch.cat((k, new_k), dim=2), torch.cat((v, new_v), dim=2)
+    assert isinstance(k, PackedKeys) and k.shape == (2, 2, 31, 16)
+    kd, vd = torch.cat((kd, new_k), dim=2), torch.cat((vd, new_v), dim=2)
+    pos = torch.cat((pos, new_pos), dim=2)
+    q = torch.randn(2, 4, 6, 16, generator=gen)
+    q_pos = torch.arange(41, 47).expand(2, 6)
+    weight = torch.tensor([[1.0, 0.0, 1.0, 0.5, 1.0, 1.0], [0.0, 1.0, 1.0, 1.0, 2.0, 0.0]])
+    rule = dict(window=8, sinks=3)
+    if sink:
+        rule["q_sink"] = torch.randn(2, 4, 6, 16, generator=gen)
+    got = attention.masked_with_weights(q, k, v, q_pos, pos, weight, **rule)
+    want = attention.masked_with_weights(q, kd, vd, q_pos, pos, weight, **rule)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and (a - b).abs().max() <= ATOL
+    assert torch.equal(k[:, :, 25:], new_k)  # the chunk's tokens, as given
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+@pytest.mark.parametrize("mass", [False, True])
+def test_decode_matches_full_precision(name, mass):
+    store = filled(name, per_head=False)
+    k, v, pos, kd, vd = _ref(store, 25)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 1, 16, generator=gen)
+    for visible in (None, pos >= 0):
+        got = attention.decode(q, k, v, visible, want_mass=mass)
+        want = attention.decode(q, kd, vd, visible, want_mass=mass)
+        assert (got[0] - want[0]).abs().max() <= ATOL
+        if mass:
+            assert (got[1] - want[1]).abs().max() <= ATOL
+    # Renumbered sinks: the first slots scored by another query.
+    q_sink = torch.randn(2, 4, 1, 16, generator=gen)
+    got, _ = attention.decode(q, k, v, pos >= 0, q_sink=q_sink, sink_slots=3)
+    want, _ = attention.decode(q, kd, vd, pos >= 0, q_sink=q_sink, sink_slots=3)
+    assert (got - want).abs().max() <= ATOL
+
+
+@pytest.mark.parametrize("name", ["token4", "kivi4/4"])
+def test_causal_matches_full_precision(name):
+    store = filled(name, per_head=False)
+    k, v, _, kd, vd = _ref(store, 13)
+    gen = torch.Generator().manual_seed(4)
+    q, q_sink = torch.randn(2, 4, 13, 16, generator=gen), torch.randn(2, 4, 13, 16, generator=gen)
+    q_sink[:, :, :4] = q[:, :, :4]  # as renumbering leaves the queries within the window's reach
+    for rule in (dict(), dict(window=4, sinks=2, q_sink=q_sink)):
+        got = attention.causal(q, k, v, **rule)
+        want = attention.causal(q, kd, vd, **rule)
+        assert (got - want).abs().max() <= ATOL
+
+
+def test_packed_views_decode_on_use_only():
+    """Anything but attention gets the decoded tensor: torch functions, methods, indexing."""
+    store = filled("kivi4/4")
+    k, v, _ = store.view(24)
+    dense = k.decoded()
+    assert torch.equal(torch.linalg.vector_norm(k, dim=-1), torch.linalg.vector_norm(dense, dim=-1))
+    assert torch.equal(k.float(), dense) and torch.equal(k[:, 1], dense[:, 1]) and torch.equal(2 * k, 2 * dense)
+    assert k.detach() is k and k.shape == dense.shape and k.dtype == torch.float32
+
+
+@pytest.mark.parametrize("policy", ["dense:int4", "h2o:int4", "h2o:int2", "window:int8", "tova:int4"])
+def test_nothing_decodes_a_whole_cache(llama, monkeypatch, policy):
+    """Decode steps and chunks of the policies that do not read keys or values for their own
+    ranking never decode a packed view; attention converts at most one block of codes at a time."""
+    def refuse(self, *args):
+        raise AssertionError("a packed view was decoded")
+
+    monkeypatch.setattr(PackedKeys, "decoded", refuse)
+    monkeypatch.setattr(PackedValues, "decoded", refuse)
+    from kvcache.kernels import packed
+
+    largest = []
+    real_unpack = packed.unpack
+    monkeypatch.setattr(packed, "unpack", lambda c, bits: largest.append(c.shape[2]) or real_unpack(c, bits))
+    cache = kvcache.make_cache(llama, policy, cache_length=180 if policy.startswith("dense") else 160, **({"recent": 8} if "h2o" in policy else {}))
+    ids = torch.randint(3, 128, (1, 180), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        llama(ids[:, :130], cache)
+        for t in range(130, 180):
+            llama(ids[:, t : t + 1], cache)
+    # A block holds whole key groups: 64 slots for int4 and int2, BLOCK for per-token layouts.
+    assert largest and max(largest) <= max(blocked.BLOCK, cache.layers[0].storage.__dict__.get("key_group", 0))
