@@ -20,7 +20,7 @@ from .packed import CHANNEL, RESIDUAL, TOKEN, PackedKeys, PackedValues
 
 __all__ = ["CHANNEL", "RESIDUAL", "TOKEN", "PackedKeys", "PackedValues", "attend", "decode", "is_packed"]
 
-_triton_decode = None
+_triton_module = None
 _triton_checked = False
 
 
@@ -36,24 +36,24 @@ def attend(q, k, v, q_pos, k_pos, **rule):
 def decode(q: torch.Tensor, k: PackedKeys, v: PackedValues, visible: torch.Tensor | None, *,
            q_sink: torch.Tensor | None = None, sink_slots: int = 0, want_mass: bool = False):
     """One query per row against packed slots: ``attention.decode``'s arguments and results."""
-    if q.is_cuda and q_sink is None and k.tail is None and v.tail is None:
-        fn = _triton()
-        if fn is not None:
-            return fn(q, k, v, visible, want_mass=want_mass)
+    if q.is_cuda and q_sink is None:
+        triton_decode = _triton()
+        if triton_decode is not None and triton_decode.supported(q, k, v):
+            return triton_decode.decode(q, k, v, visible, want_mass=want_mass)
     return blocked.decode(q, k, v, visible, q_sink=q_sink, sink_slots=sink_slots, want_mass=want_mass)
 
 
 def _triton():
-    """The Triton decode kernel, or None (not installed, or disabled): imported on first use."""
-    global _triton_decode, _triton_checked
+    """The Triton decode module, or None (not installed, or disabled): imported on first use."""
+    global _triton_module, _triton_checked
     if not _triton_checked:
         _triton_checked = True
         if os.environ.get("KVCACHE_TRITON", "1") != "0":
             try:
-                from .triton_decode import decode as fn
+                from . import triton_decode
             except ImportError as e:
                 warnings.warn(f"Triton is not available ({e}): quantized decode on CUDA runs the blocked "
                               "PyTorch path, which is slower; install triton for the fused kernel", stacklevel=3)
             else:
-                _triton_decode = fn
-    return _triton_decode
+                _triton_module = triton_decode
+    return _triton_module

@@ -27,24 +27,25 @@ def small_blocks(monkeypatch):
     monkeypatch.setattr(blocked, "QUERY_BLOCK", 5)
 
 
-def filled(name: str, B=2, H=2, D=16, C=30, per_head=True, seed=0):
+def filled(name: str, B=2, H=2, D=16, C=30, per_head=True, seed=0, device=CPU):
     """A storage whose slots [0, 24) went through chunks, decode steps and moves, so that a KIVI
     one holds per-channel, per-token and residual keys; its positions are a permutation."""
     gen = torch.Generator().manual_seed(seed)
-    spec = CacheSpec(batch_size=B, num_kv_heads=H, head_dim=D, cache_length=C, dtype=torch.float32, device=CPU,
+    spec = CacheSpec(batch_size=B, num_kv_heads=H, head_dim=D, cache_length=C, dtype=torch.float32, device=device,
                      storage=name)
     store = make_storage(spec, per_head=per_head)
-    x = lambda T: 1.5 * torch.randn(B, H, T, D, generator=gen) + torch.randn(B, H, T, 1, generator=gen)
-    store.write_slice(0, x(13), x(13), torch.arange(13).expand(B, 13))
+    x = lambda T: (1.5 * torch.randn(B, H, T, D, generator=gen) + torch.randn(B, H, T, 1, generator=gen)).to(device)
+    at = lambda rows: torch.tensor(rows, device=device)
+    store.write_slice(0, x(13), x(13), torch.arange(13, device=device).expand(B, 13))
     for t in range(13, 22):
-        store.write_slice(t, x(1), x(1), torch.full((B, 1), t))
+        store.write_slice(t, x(1), x(1), at([[t]] * B))
     k, v = x(1), x(1)
-    store.write_slice(C, k, v, torch.full((B, 1), 22))
-    store.settle(torch.tensor([[[3]] * store.pos.shape[1], [[9]] * store.pos.shape[1]]), k, v, torch.full((B, 1), 22))
-    store.write_slice(22, x(2), x(2), torch.tensor([[23, 24]] * B))  # completes group [20, 24)
-    store.write_slice(24, x(1), x(1), torch.full((B, 1), 25))  # opens the next (and stages nothing)
+    store.write_slice(C, k, v, at([[22]] * B))
+    store.settle(at([[[3]] * store.pos.shape[1], [[9]] * store.pos.shape[1]]), k, v, at([[22]] * B))
+    store.write_slice(22, x(2), x(2), at([[23, 24]] * B))  # completes group [20, 24)
+    store.write_slice(24, x(1), x(1), at([[25]] * B))  # opens the next (and stages nothing)
     perm = torch.stack([torch.randperm(24, generator=gen) for _ in range(B * store.pos.shape[1])]).view(B, -1, 24)
-    store.pos[:, :, :24] = perm.clamp(max=40)
+    store.pos[:, :, :24] = perm.clamp(max=40).to(device)
     store.pos[0, :, 18:22] = -1  # empty slots in one row
     return store
 

@@ -1,0 +1,84 @@
+"""The Triton decode kernel (kvcache/kernels/triton_decode.py) against the blocked path: every
+layout and key mode, masks shared by heads and per head, attention mass, several splits of the
+slots, and h2o decode steps through a model. On a machine with CUDA the compiled kernel runs on
+CUDA tensors; without, Triton's interpreter runs it on CPU tensors. Skipped where Triton is not
+installed (it is not a dependency; kvcache uses it on CUDA when present)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+if DEVICE.type == "cpu":
+    # Read when triton is imported and when a kernel is decorated.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+pytest.importorskip("triton")
+
+import kvcache  # noqa: E402
+from kvcache import kernels  # noqa: E402
+from kvcache.kernels import blocked, triton_decode  # noqa: E402
+from test_blocked import filled  # noqa: E402
+
+ATOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def small_splits(monkeypatch):
+    """Blocks of 16 slots and splits of 16, so that 25 slots take two splits of one or two blocks."""
+    monkeypatch.setattr(triton_decode, "BLOCK_S", 16)
+    monkeypatch.setattr(triton_decode, "SLOTS_PER_SPLIT", 16)
+
+
+@pytest.mark.parametrize("name", ["token8", "token4/4", "token2", "kivi4/4", "kivi2/8", "kivi8/4"])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_triton_decode_matches_the_blocked_path(name, per_head):
+    store = filled(name, per_head=per_head, device=DEVICE)
+    k, v, pos = store.view(25)
+    q = torch.randn(2, 4, 1, 16, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    assert triton_decode.supported(q, k, v)
+    for visible in (None, pos >= 0):
+        for mass in (False, True):
+            want = blocked.decode(q, k, v, visible, want_mass=mass)
+            got = triton_decode.decode(q, k, v, visible, want_mass=mass)
+            assert (got[0] - want[0]).abs().max() <= ATOL
+            if mass:
+                assert (got[1] - want[1]).abs().max() <= ATOL
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="the test model lives on the CPU")
+def test_h2o_decode_steps_through_the_kernel(llama, monkeypatch):
+    """h2o:int4 ranks by the mass the kernel returns: the same kept tokens and logits as the
+    blocked path, step after step."""
+    calls = []
+
+    def through_triton(q, k, v, visible, *, q_sink=None, sink_slots=0, want_mass=False):
+        assert q_sink is None and triton_decode.supported(q, k, v)
+        calls.append(want_mass)
+        return triton_decode.decode(q, k, v, visible, want_mass=want_mass)
+
+    ids = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(6))
+
+    def run():
+        cache = kvcache.make_cache(llama, "h2o:int4/4", cache_length=12, batch_size=2, recent=3)
+        with torch.inference_mode():
+            logits = [llama(ids[:, :16], cache)] + [llama(ids[:, t : t + 1], cache) for t in range(16, 30)]
+        return torch.cat(logits, 1), [layer.storage.pos.clone() for layer in cache.layers]
+
+    want, want_pos = run()
+    monkeypatch.setattr(kernels, "decode", through_triton)
+    got, got_pos = run()
+    assert calls and all(calls)
+    assert (got - want).abs().max() <= 1e-4
+    assert all(torch.equal(a, b) for a, b in zip(got_pos, want_pos))
+
+
+def test_the_blocked_path_takes_what_the_kernel_does_not():
+    store = filled("kivi4/4")
+    k, v, _ = store.view(25)
+    assert not triton_decode.supported(torch.zeros(2, 4, 1, 16), torch.cat((k, torch.zeros(2, 2, 3, 16)), dim=2), v)
+    store12 = filled("token4", D=12)
+    k12, v12, _ = store12.view(25)
+    assert not triton_decode.supported(torch.zeros(2, 4, 1, 12), k12, v12)
