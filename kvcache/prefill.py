@@ -25,6 +25,11 @@ from .prefix import PrefixStore
 # on_prefill(done, total): prompt tokens processed (or taken from the store) so far, and in all.
 ProgressCallback = Callable[[int, int], None]
 
+# Rows of a batch that start with the same tokens the store lacks have that prefix prefilled once,
+# alone, before the batch, if it is at least this long: a separate call for fewer tokens costs
+# about what it saves.
+SHARED_MIN = 64
+
 
 def prefill(
     model: Transformer,
@@ -49,6 +54,8 @@ def prefill(
         store.bind(model, cache, chunk=chunk, aligned=aligned)
     total = sum(map(len, rows))
     if not aligned or len(rows) == 1:
+        if store is not None and len(rows) > 1:
+            _prefill_shared(model, cache, rows, chunk, store)
         return _prefill(model, cache, rows, chunk, store, _progress(on_prefill, 0, total))
     logits = []
     done = 0
@@ -58,6 +65,33 @@ def prefill(
         cache.restore(alone.snapshot(), rows=[b])
         done += len(row)
     return torch.stack(logits)
+
+
+def _prefill_shared(model, cache: KVCache, rows, chunk: int | None, store: PrefixStore) -> None:
+    """Prefill alone, and store, each prefix that two or more rows start with (short of their
+    last tokens, and cut to what the store keeps) and that the store does not hold yet, longest
+    first, so that every row then restores it rather than computing it again in the batch.
+    (Aligned prefills are one prompt at a time, so later rows reuse earlier ones anyway.)"""
+    seeds = set()
+    for i, a in enumerate(rows):
+        for b in rows[i + 1 :]:
+            n = store.boundary(min(_common(a, b), len(a) - 1, len(b) - 1))
+            if n >= SHARED_MIN:
+                seeds.add(tuple(a[:n]))
+    for seed in sorted(seeds, key=len, reverse=True):
+        # A prompt that continues the seed (one more token) would reuse all of it: already held.
+        if store.reusable(list(seed) + [0]) < len(seed):
+            _prefill(model, cache.empty_like(batch_size=1), [list(seed)], chunk, store, lambda done: None)
+
+
+def _common(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _progress(on_prefill: ProgressCallback | None, before: int, total: int) -> Callable[[int], None]:

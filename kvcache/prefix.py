@@ -221,6 +221,12 @@ class PrefixStore:
         (at most all but the last; 0 before the store's first use)."""
         return self._find(list(tokens), len(tokens) - 1)[0] if self.binding is not None else 0
 
+    def boundary(self, n: int) -> int:
+        """The longest prefix of ``n`` prompt tokens that a prefill leaves in the store: all of
+        them, or the last grid boundary for a store whose entries sit on the grid."""
+        grid = self.binding.grid
+        return n if grid is None else n // grid * grid
+
     def clear(self) -> None:
         """Drop every entry (the binding stays)."""
         self._root = _Node((), None, 0)

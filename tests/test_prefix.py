@@ -132,6 +132,28 @@ def test_dense_rows_reuse_different_lengths(model):
     assert kvcache.generate(model, rows, prefix_store=store, **kw) == kvcache.generate(model, rows, **kw)
 
 
+@pytest.mark.parametrize("policy", ["dense", "h2o", "sink"])
+def test_rows_of_one_batch_share_a_new_prefix(model, policy):
+    """A prefix that several rows start with and the store lacks is computed once, not per row."""
+    fed = []
+
+    def count(layer, hidden):
+        if layer == 0:
+            fed.append(hidden.shape[0] * hidden.shape[1])
+
+    ref, _ = _prefill(model, policy, PROMPTS)
+    model.layer_hook = count
+    try:
+        store = PrefixStore(model)
+        got, _ = _prefill(model, policy, PROMPTS, store)
+    finally:
+        model.layer_hook = None
+    # Once the shared prefix (or its grid part), then each row's rest in one padded batch.
+    shared = store.boundary(len(PREFIX))
+    assert sum(fed) <= shared + len(PROMPTS) * (max(map(len, PROMPTS)) - shared)
+    assert (ref - got).abs().max().item() <= 1e-5
+
+
 def test_evicting_rows_reuse_grid_boundaries_only(model):
     store = PrefixStore(model)
     _prefill(model, "h2o", PROMPTS[:1], store)
