@@ -102,7 +102,10 @@ def _progress(on_prefill: ProgressCallback | None, before: int, total: int) -> C
     return report
 
 
-def _prefill(model, cache: KVCache, rows, chunk: int | None, store: PrefixStore | None, report) -> torch.Tensor:
+def _prefill(model, cache: KVCache, rows, chunk: int | None, store: PrefixStore | None,
+             report: Callable[[int], None]) -> torch.Tensor:
+    """The grid loop (module docstring) over ``rows`` into the empty ``cache``, after each row
+    took its stored prefix; stores after every chunk. Returns (B, vocab) last-token logits."""
     B = len(rows)
     lengths = [len(p) for p in rows]
     longest = max(lengths)
