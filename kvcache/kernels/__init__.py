@@ -28,9 +28,18 @@ def is_packed(x: object) -> bool:
     return isinstance(x, (PackedKeys, PackedValues))
 
 
-def attend(q, k, v, q_pos, k_pos, **rule):
-    """``blocked.attend``: queries against packed slots, with mass and seen given ``q_weight``."""
-    return blocked.attend(q, k, v, q_pos, k_pos, **rule)
+def attend(q, k, v, q_pos, k_pos, *, window=None, sinks=0, limit=None, all_visible=False, q_weight=None,
+           q_sink=None):
+    """Queries at ``q_pos`` against packed slots at ``k_pos``: ``attention.masked``'s arguments
+    (and ``masked_with_weights``' with ``q_weight``). Returns out, mass, seen (None without
+    ``q_weight``). One query per row (a dense decode step) takes ``decode``."""
+    if q.shape[2] == 1 and q_weight is None and q_sink is None:
+        from ..attention import visibility
+
+        visible = None if all_visible else visibility(q_pos, k_pos, window, sinks, limit)[:, :, 0]
+        return decode(q, k, v, visible)[0], None, None
+    return blocked.attend(q, k, v, q_pos, k_pos, window=window, sinks=sinks, limit=limit, all_visible=all_visible,
+                          q_weight=q_weight, q_sink=q_sink)
 
 
 def decode(q: torch.Tensor, k: PackedKeys, v: PackedValues, visible: torch.Tensor | None, *,

@@ -7,16 +7,17 @@ the query block, never the cache. Grouped query heads are folded into the query 
 (B, Hq, T, D) -> (B, Hkv, G * T, D): every K/V head is read once for its G query heads and
 never repeated. Masks come from positions (or a given visibility vector) one block at a time.
 
-Attention mass (for scoring policies): a decode step keeps each block's scores (G per slot) and
-normalises them once the final max and sum are known; a chunk sweeps the blocks a second time
-with the final max and sum, so its memory stays at one block of scores per query block.
+A decode step scores every block first (G scores per slot: what the attention mass is made of),
+takes one softmax, then mixes the values block by block. A chunk keeps one block of scores per
+query block and an online softmax; for the attention mass it sweeps the blocks a second time
+with the final max and sum.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .packed import PackedKeys, PackedValues
+from .packed import PackedKeys, PackedValues, as_float
 
 # Slots converted from codes at a time. A multiple of every key group size used (the KIVI
 # groups of 32 or 64 slots); 256 keeps a block of float32 keys for 8 heads of 128 channels
@@ -36,19 +37,27 @@ def _blocks(k: PackedKeys) -> list[tuple[int, int]]:
     return spans
 
 
-def _scores(k: PackedKeys, q: torch.Tensor, q_pos: torch.Tensor | None, s0: int, s1: int) -> torch.Tensor:
+def _scores(k: PackedKeys, q: torch.Tensor, q_pos: torch.Tensor | None, s0: int, s1: int,
+            work: torch.Tensor | None = None) -> torch.Tensor:
     """q (B, H, R, D) float32 against slots [s0, s1) (packed or tail): (B, H, R, s1 - s0)."""
     S = k.slots
     if s0 >= S:
         return q @ k.tail[:, :, s0 - S : s1 - S].float().transpose(-1, -2)
-    return k.scores(q, q_pos, s0, s1)
+    return k.scores(q, q_pos, s0, s1, work)
 
 
-def _mix(v: PackedValues, p: torch.Tensor, s0: int, s1: int, q_pos: torch.Tensor | None) -> torch.Tensor:
+def _mix(v: PackedValues, p: torch.Tensor, s0: int, s1: int, q_pos: torch.Tensor | None,
+         work: torch.Tensor | None = None) -> torch.Tensor:
     S = v.slots
     if s0 >= S:
         return p @ v.tail[:, :, s0 - S : s1 - S].float()
-    return v.mix(p, s0, s1, q_pos)
+    return v.mix(p, s0, s1, q_pos, work)
+
+
+def _plain(x) -> bool:
+    """Per-token codes with one scale per token and head, and nothing appended: a decode step
+    can apply every scale once, to all scores (or weights) together."""
+    return x.tail is None and getattr(x, "mode", None) is None and x.meta.shape[-1] == 2
 
 
 def _fold(x: torch.Tensor, H: int) -> torch.Tensor:
@@ -70,14 +79,15 @@ class _Softmax:
         self.l = torch.zeros(B, H, R, 1, device=device)
         self.acc = torch.zeros(B, H, R, D, device=device)
 
-    def add(self, scores: torch.Tensor, v: PackedValues, s0: int, s1: int, q_pos: torch.Tensor | None) -> None:
+    def add(self, scores: torch.Tensor, v: PackedValues, s0: int, s1: int, q_pos: torch.Tensor | None,
+            work: torch.Tensor | None = None) -> None:
         m = torch.maximum(self.m, scores.amax(-1, keepdim=True))
         # Rows that have seen no visible key yet keep max -inf: shift them by 0 instead.
         m_safe = torch.where(torch.isinf(m), 0.0, m)
         p = torch.exp(scores - m_safe)
         alpha = torch.exp(self.m - m_safe)
         self.l = self.l * alpha + p.sum(-1, keepdim=True)
-        self.acc = self.acc * alpha + _mix(v, p, s0, s1, q_pos)
+        self.acc = self.acc * alpha + _mix(v, p, s0, s1, q_pos, work)
         self.m = m
 
     def out(self) -> torch.Tensor:
@@ -124,6 +134,7 @@ def attend(
     lows = torch.stack([kp[..., s0:s1].amin() for s0, s1 in spans]).tolist()
     has_sink = [lo < sinks for lo in lows] if q_sink is not None else [False] * len(spans)
     scale = D**-0.5
+    work = q.new_empty(B, H, max(s1 - s0 for s0, s1 in spans), D, dtype=torch.float32)
     out = torch.empty_like(q)
     mass = seen = None
     if q_weight is not None:
@@ -141,10 +152,10 @@ def attend(
 
         def block_scores(i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
             s0, s1 = spans[i]
-            sc = _scores(k, qb, pos_rows, s0, s1)
+            sc = _scores(k, qb, pos_rows, s0, s1, work)
             if has_sink[i]:
                 sink_cols = (k_pos[..., s0:s1] < sinks).unsqueeze(2)  # (B, Hp, 1, m)
-                sc = torch.where(sink_cols, _scores(k, qs, pos_rows, s0, s1), sc)
+                sc = torch.where(sink_cols, _scores(k, qs, pos_rows, s0, s1, work), sc)
             if all_visible:
                 return sc, None
             vis = visibility(q_pos[:, t0:t1], k_pos[..., s0:s1], window, sinks, limit)  # (B, Hp, n, m)
@@ -152,7 +163,7 @@ def attend(
 
         for i in live:
             sc, _ = block_scores(i)
-            state.add(sc, v, *spans[i], pos_rows)
+            state.add(sc, v, *spans[i], pos_rows, work)
         out[:, :, t0:t1] = state.out().view(B, Hq, n, D).to(q.dtype)
         if q_weight is None:
             continue
@@ -182,6 +193,10 @@ def decode(
     q: (B, Hq, 1, D); visible: (B, Hp, S) bool or None (all visible); ``q_sink`` scores slots
     [0, sink_slots). Returns out (B, Hq, 1, D) and, with ``want_mass``, the attention each slot
     received summed over the G query heads of its group: (B, Hkv, S) float32.
+
+    A decode step has G scores per slot (what the mass is made of, and Hq / (2 Hkv D) of a
+    float32 cache): it scores every block, takes one softmax, then mixes the values block by
+    block. The codes of a block are converted into one reused buffer.
     """
     B, Hq, _, D = q.shape
     H = k.shape[1]
@@ -189,20 +204,42 @@ def decode(
     scale = D**-0.5
     qr = q.float().reshape(B, H, G, D) * scale
     qs = None if q_sink is None else q_sink.float().reshape(B, H, G, D) * scale
-    state = _Softmax(B, H, G, D, q.device)
-    kept = []
-    for s0, s1 in _blocks(k):
+    spans = _blocks(k)
+    work = q.new_empty(B, H, max(s1 - s0 for s0, s1 in spans), D, dtype=torch.float32)
+    plain = _plain(k) and _plain(v)
+    scores = torch.empty(B, H, G, k.shape[2], device=q.device)
+    for s0, s1 in spans:
+        if plain:
+            # One scale and zero point per token: applied below to all scores at once.
+            scores[..., s0:s1] = qr @ as_float(k.codes[:, :, s0:s1], k.bits, work).transpose(-1, -2)
+            continue
         # A decode query follows every group completion, so staged copies are never read.
-        sc = _scores(k, qr, None, s0, s1)
+        sc = _scores(k, qr, None, s0, s1, work)
         if qs is not None and s0 < sink_slots:
             cols = torch.arange(s0, s1, device=q.device) < sink_slots
-            sc = torch.where(cols, _scores(k, qs, None, s0, s1), sc)
-        if visible is not None:
-            sc = sc.masked_fill(~visible[..., s0:s1].unsqueeze(2), float("-inf"))
-        state.add(sc, v, s0, s1, None)
-        if want_mass:
-            kept.append(sc)
-    out = state.out().view(B, Hq, 1, D).to(q.dtype)
-    if not want_mass:
-        return out, None
-    return out, state.weights(torch.cat(kept, -1)).sum(2)
+            sc = torch.where(cols, _scores(k, qs, None, s0, s1, work), sc)
+        scores[..., s0:s1] = sc
+    if plain:
+        scale_k, zero_k = k.meta.float().unbind(-1)  # (B, H, S)
+        scores = scores * scale_k.unsqueeze(2) + qr.sum(-1, keepdim=True) * zero_k.unsqueeze(2)
+        if qs is not None and sink_slots:
+            sink = _scores(k, qs, None, 0, sink_slots)
+            scores[..., :sink_slots] = sink
+    if visible is not None:
+        scores.masked_fill_(~visible.unsqueeze(2), float("-inf"))
+    # A row with no visible slot (an empty cache row) gets weights 0, not NaN.
+    top = scores.amax(-1, keepdim=True)
+    weights = torch.exp(scores - torch.where(torch.isinf(top), 0.0, top))
+    weights = weights / weights.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+    if plain:
+        scale_v, zero_v = v.meta.float().unbind(-1)  # (B, H, S)
+        scaled = weights * scale_v.unsqueeze(2)
+        out = weights @ zero_v.unsqueeze(-1)  # (B, H, G, 1), broadcast over channels below
+        for s0, s1 in spans:
+            out = out + scaled[..., s0:s1] @ as_float(v.codes[:, :, s0:s1], v.bits, work)
+    else:
+        out = torch.zeros(B, H, G, D, device=q.device)
+        for s0, s1 in spans:
+            out = out + _mix(v, weights[..., s0:s1], s0, s1, None, work)
+    out = out.view(B, Hq, 1, D).to(q.dtype)
+    return out, weights.sum(2) if want_mass else None

@@ -162,28 +162,30 @@ class PackedValues(_Packed):
             out = torch.where(self.mode[:, :, s0:s1, None] == RESIDUAL, res, out)
         return out.to(self.dtype)
 
-    def mix(self, p: torch.Tensor, s0: int, s1: int, q_pos: torch.Tensor | None = None) -> torch.Tensor:
+    def mix(self, p: torch.Tensor, s0: int, s1: int, q_pos: torch.Tensor | None = None,
+            work: torch.Tensor | None = None) -> torch.Tensor:
         """sum_s p[..., s] * value[s] over slots [s0, s1): p (B, H, R, s1 - s0) float32 -> (B, H, R, D).
         ``q_pos`` (B, R): each row's position, for staged values (None: none are read).
+        ``work``: a float32 buffer of at least (B, H, s1 - s0, D) to convert the codes into.
 
         Scales and zero points are applied to the weights, not to the codes: with n groups,
         p @ (q * scale + zero) = (p * scale) @ q + p @ zero per group, so the only pass over the
         block is converting its codes to float."""
         if self.mode is None:
-            return self._mix_codes(p, s0, s1)
+            return self._mix_codes(p, s0, s1, work)
         slots = torch.arange(s0, s1, device=p.device)
         resid = self.mode[:, :, s0:s1].unsqueeze(2) == RESIDUAL  # (B, H, 1, m)
         staged = _staged_mask(self, q_pos, s0, s1)  # (B, 1, R, m) or None
         full = resid if staged is None else resid | staged
-        out = self._mix_codes(torch.where(full, 0.0, p), s0, s1)
+        out = self._mix_codes(torch.where(full, 0.0, p), s0, s1, work)
         if _any(resid):
             out = out + torch.where(resid, p, 0.0) @ _rows_of(self.residual, self.res_start, slots).float()
         if staged is not None:
             out = out + torch.where(staged & ~resid, p, 0.0) @ _staged_rows(self, s0, s1).float()
         return out
 
-    def _mix_codes(self, p: torch.Tensor, s0: int, s1: int) -> torch.Tensor:
-        q = unpack(self.codes[:, :, s0:s1], self.bits).float()  # (B, H, m, D)
+    def _mix_codes(self, p: torch.Tensor, s0: int, s1: int, work: torch.Tensor | None) -> torch.Tensor:
+        q = as_float(self.codes[:, :, s0:s1], self.bits, work)  # (B, H, m, D)
         scale, zero = self.meta[:, :, s0:s1].float().unflatten(-1, (2, -1)).unbind(-2)  # (B, H, m, n)
         n = scale.shape[-1]
         if n == 1:
@@ -242,14 +244,16 @@ class PackedKeys(_Packed):
         out = torch.where(mode == CHANNEL, ch, torch.where(mode == RESIDUAL, res, tok))
         return out.to(self.dtype)
 
-    def scores(self, q: torch.Tensor, q_pos: torch.Tensor | None, s0: int, s1: int) -> torch.Tensor:
+    def scores(self, q: torch.Tensor, q_pos: torch.Tensor | None, s0: int, s1: int,
+               work: torch.Tensor | None = None) -> torch.Tensor:
         """q (B, H, R, D) float32, already scaled -> q . key[s] (B, H, R, s1 - s0) float32.
 
         ``q_pos`` (B, R): each query row's position, for staged groups (None: no staged reads).
+        ``work``: a float32 buffer of at least (B, H, s1 - s0, D) to convert the codes into.
         Scales are applied to queries and scores, not to the codes: per token,
         q . (c * scale + zero) = scale * (q . c) + zero * sum(q); per channel over a group,
         q . (c * S + Z) = (q * S) . c + q . Z."""
-        q_codes = unpack(self.codes[:, :, s0:s1], self.bits).float()  # (B, H, m, D)
+        q_codes = as_float(self.codes[:, :, s0:s1], self.bits, work)  # (B, H, m, D)
         if self.mode is None:
             return _token_scores(q, q_codes, self.meta[:, :, s0:s1].float())
         mode = self.mode[:, :, s0:s1].unsqueeze(2)  # (B, H, 1, m)
@@ -280,6 +284,23 @@ class PackedKeys(_Packed):
         raw = (q.unsqueeze(2) * scale.unsqueeze(3)) @ q_codes.unflatten(2, (n, G)).transpose(-1, -2)
         raw = raw + (q @ zero.transpose(-1, -2)).transpose(-1, -2).unsqueeze(-1)
         return raw.permute(0, 1, 3, 2, 4).flatten(-2)[..., :m]
+
+
+def as_float(codes: torch.Tensor, bits: int, work: torch.Tensor | None = None) -> torch.Tensor:
+    """Packed codes (B, H, m, Db) as float32 (B, H, m, D), written into ``work`` if given (a
+    reused buffer: converting into fresh memory every block costs page faults)."""
+    B, H, m, Db = codes.shape
+    D = Db * 8 // bits
+    if work is None:
+        return unpack(codes, bits).float()
+    out = work[:, :, :m, :D]
+    if bits == 8:
+        return out.copy_(codes)
+    per, mask = 8 // bits, 2**bits - 1
+    lanes = out.unflatten(-1, (Db, per))
+    for j in range(per):
+        lanes[..., j].copy_((codes >> (j * bits)) & mask)
+    return out
 
 
 def _any(mask: torch.Tensor) -> bool:

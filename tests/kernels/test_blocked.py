@@ -160,8 +160,10 @@ def test_nothing_decodes_a_whole_cache(llama, monkeypatch, policy):
     from kvcache.kernels import packed
 
     largest = []
-    real_unpack = packed.unpack
-    monkeypatch.setattr(packed, "unpack", lambda c, bits: largest.append(c.shape[2]) or real_unpack(c, bits))
+    real = packed.as_float
+    recorded = lambda c, bits, work=None: largest.append(c.shape[2]) or real(c, bits, work)  # noqa: E731
+    monkeypatch.setattr(packed, "as_float", recorded)
+    monkeypatch.setattr(blocked, "as_float", recorded)
     cache = kvcache.make_cache(llama, policy, cache_length=180 if policy.startswith("dense") else 160, **({"recent": 8} if "h2o" in policy else {}))
     ids = torch.randint(3, 128, (1, 180), generator=torch.Generator().manual_seed(5))
     with torch.inference_mode():
