@@ -17,7 +17,7 @@ are reused at multiples of the prefill chunk only, and sink, reused at any store
 
 The model is a random Llama (fixed seed) of 15.7M parameters: hidden 384, 6 layers, 6 query and
 2 K/V heads, vocabulary 8192 (the bundled tokenizer's), fp32 on CPU. It is sized so that the run
-takes a few minutes on 2 cores: a full 8448-token prefill takes 5 to 8 s on one thread.
+takes a few minutes on 2 cores: a full 8448-token prefill takes 5 to 12 s on one thread.
 
 Timing: one thread (``torch.set_num_threads(1)``: the machine is shared, and one thread is the
 steadiest); runs with and without the store are interleaved, alternating which goes first, and
