@@ -7,9 +7,10 @@ the query block, never the cache. Grouped query heads are folded into the query 
 (B, Hq, T, D) -> (B, Hkv, G * T, D): every K/V head is read once for its G query heads and
 never repeated. Masks come from positions (or a given visibility vector) one block at a time.
 
-A decode step scores every block first (G scores per slot: what the attention mass is made of),
-takes one softmax, then mixes the values block by block. A chunk keeps one block of scores per
-query block and an online softmax; for the attention mass it sweeps the blocks a second time
+A decode step scores a span of blocks at a time (``SPAN`` slots) before folding it into the
+online softmax, so that per-token scales apply to a whole span of scores at once; with the
+attention mass it keeps the scores (G per slot) and normalises them at the end. A chunk keeps
+one block of scores per query block; for the attention mass it sweeps the blocks a second time
 with the final max and sum.
 """
 
@@ -25,6 +26,8 @@ from .packed import PackedKeys, PackedValues, as_float
 BLOCK = 256
 # Queries whose scores against one block of slots exist at a time.
 QUERY_BLOCK = 256
+# Slots of a decode step whose scores exist at a time (G per slot: 512 KiB for 32 query heads).
+SPAN = 4096
 
 
 def _blocks(k: PackedKeys) -> list[tuple[int, int]]:
@@ -81,13 +84,18 @@ class _Softmax:
 
     def add(self, scores: torch.Tensor, v: PackedValues, s0: int, s1: int, q_pos: torch.Tensor | None,
             work: torch.Tensor | None = None) -> None:
+        """Fold in the scores (B, H, R, s1 - s0) of slots [s0, s1)."""
+        self.fold(scores, lambda p: _mix(v, p, s0, s1, q_pos, work))
+
+    def fold(self, scores: torch.Tensor, mix) -> None:
+        """Fold in ``scores`` (B, H, R, n); ``mix(p)`` sums their values weighted by p (B, H, R, n)."""
         m = torch.maximum(self.m, scores.amax(-1, keepdim=True))
         # Rows that have seen no visible key yet keep max -inf: shift them by 0 instead.
         m_safe = torch.where(torch.isinf(m), 0.0, m)
         p = torch.exp(scores - m_safe)
         alpha = torch.exp(self.m - m_safe)
         self.l = self.l * alpha + p.sum(-1, keepdim=True)
-        self.acc = self.acc * alpha + _mix(v, p, s0, s1, q_pos, work)
+        self.acc = self.acc * alpha + mix(p)
         self.m = m
 
     def out(self) -> torch.Tensor:
@@ -194,9 +202,11 @@ def decode(
     [0, sink_slots). Returns out (B, Hq, 1, D) and, with ``want_mass``, the attention each slot
     received summed over the G query heads of its group: (B, Hkv, S) float32.
 
-    A decode step has G scores per slot (what the mass is made of, and Hq / (2 Hkv D) of a
-    float32 cache): it scores every block, takes one softmax, then mixes the values block by
-    block. The codes of a block are converted into one reused buffer.
+    The slots go in spans of about ``SPAN``: a span's blocks are scored (codes converted into
+    one reused buffer, per-token scales applied to the span's scores at once), the span is
+    folded into an online softmax, and its values are mixed block by block. With ``want_mass``
+    each span's scores are kept (G per slot, as the mass itself is one per slot and K/V head)
+    and normalised at the end.
     """
     B, Hq, _, D = q.shape
     H = k.shape[1]
@@ -204,42 +214,53 @@ def decode(
     scale = D**-0.5
     qr = q.float().reshape(B, H, G, D) * scale
     qs = None if q_sink is None else q_sink.float().reshape(B, H, G, D) * scale
-    spans = _blocks(k)
-    work = q.new_empty(B, H, max(s1 - s0 for s0, s1 in spans), D, dtype=torch.float32)
+    blocks = _blocks(k)
+    work = q.new_empty(B, H, max(s1 - s0 for s0, s1 in blocks), D, dtype=torch.float32)
     plain = _plain(k) and _plain(v)
-    scores = torch.empty(B, H, G, k.shape[2], device=q.device)
-    for s0, s1 in spans:
+    state = _Softmax(B, H, G, D, q.device)
+    kept = []
+    for span in _spans(blocks):
+        a, b = span[0][0], span[-1][1]
+        scores = torch.empty(B, H, G, b - a, device=q.device)
+        for s0, s1 in span:
+            if plain:
+                # One scale and zero point per token: applied to the span's scores at once.
+                scores[..., s0 - a : s1 - a] = qr @ as_float(k.codes[:, :, s0:s1], k.bits, work).transpose(-1, -2)
+            else:
+                # A decode query follows every group completion, so staged copies are never read.
+                scores[..., s0 - a : s1 - a] = _scores(k, qr, None, s0, s1, work)
         if plain:
-            # One scale and zero point per token: applied below to all scores at once.
-            scores[..., s0:s1] = qr @ as_float(k.codes[:, :, s0:s1], k.bits, work).transpose(-1, -2)
-            continue
-        # A decode query follows every group completion, so staged copies are never read.
-        sc = _scores(k, qr, None, s0, s1, work)
-        if qs is not None and s0 < sink_slots:
-            cols = torch.arange(s0, s1, device=q.device) < sink_slots
-            sc = torch.where(cols, _scores(k, qs, None, s0, s1, work), sc)
-        scores[..., s0:s1] = sc
-    if plain:
-        scale_k, zero_k = k.meta.float().unbind(-1)  # (B, H, S)
-        scores = scores * scale_k.unsqueeze(2) + qr.sum(-1, keepdim=True) * zero_k.unsqueeze(2)
-        if qs is not None and sink_slots:
-            sink = _scores(k, qs, None, 0, sink_slots)
-            scores[..., :sink_slots] = sink
-    if visible is not None:
-        scores.masked_fill_(~visible.unsqueeze(2), float("-inf"))
-    # A row with no visible slot (an empty cache row) gets weights 0, not NaN.
-    top = scores.amax(-1, keepdim=True)
-    weights = torch.exp(scores - torch.where(torch.isinf(top), 0.0, top))
-    weights = weights / weights.sum(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
-    if plain:
-        scale_v, zero_v = v.meta.float().unbind(-1)  # (B, H, S)
-        scaled = weights * scale_v.unsqueeze(2)
-        out = weights @ zero_v.unsqueeze(-1)  # (B, H, G, 1), broadcast over channels below
-        for s0, s1 in spans:
-            out = out + scaled[..., s0:s1] @ as_float(v.codes[:, :, s0:s1], v.bits, work)
-    else:
-        out = torch.zeros(B, H, G, D, device=q.device)
-        for s0, s1 in spans:
-            out = out + _mix(v, weights[..., s0:s1], s0, s1, None, work)
-    out = out.view(B, Hq, 1, D).to(q.dtype)
-    return out, weights.sum(2) if want_mass else None
+            scale_k, zero_k = k.meta[:, :, a:b].float().unbind(-1)  # (B, H, b - a)
+            scores = scores * scale_k.unsqueeze(2) + qr.sum(-1, keepdim=True) * zero_k.unsqueeze(2)
+        if qs is not None and a < sink_slots:
+            n = min(sink_slots, b) - a
+            scores[..., :n] = _scores(k, qs, None, a, a + n)
+        if visible is not None:
+            scores = scores.masked_fill(~visible[..., a:b].unsqueeze(2), float("-inf"))
+
+        def mix(p: torch.Tensor, span=span, a=a, b=b) -> torch.Tensor:
+            if not plain:
+                return sum(_mix(v, p[..., s0 - a : s1 - a], s0, s1, None, work) for s0, s1 in span)
+            scale_v, zero_v = v.meta[:, :, a:b].float().unbind(-1)
+            scaled = p * scale_v.unsqueeze(2)
+            out = p @ zero_v.unsqueeze(-1)  # (B, H, G, 1): the zero points, for every channel
+            for s0, s1 in span:
+                out = out + scaled[..., s0 - a : s1 - a] @ as_float(v.codes[:, :, s0:s1], v.bits, work)
+            return out
+
+        state.fold(scores, mix)
+        if want_mass:
+            kept.append(scores)
+    out = state.out().view(B, Hq, 1, D).to(q.dtype)
+    return out, state.weights(torch.cat(kept, -1)).sum(2) if want_mass else None
+
+
+def _spans(blocks: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """Consecutive blocks grouped into spans of at least ``SPAN`` slots (the last may be shorter)."""
+    spans, current = [], []
+    for block in blocks:
+        current.append(block)
+        if current[-1][1] - current[0][0] >= SPAN:
+            spans.append(current)
+            current = []
+    return spans + ([current] if current else [])
