@@ -1,7 +1,7 @@
 """Attention over packed codes, one block of slots at a time (any device; the CPU path).
 
-Keys and values stay packed: each block of ``BLOCK`` slots is converted from codes to float32
-(the scales go on queries, weights and scores, see packed.py), scored, and folded into an online
+Keys and values stay packed: each block of slots (about 1 MiB of float32) is converted from codes
+to float32 (the scales go on queries, weights and scores, see packed.py), scored, and folded into an online
 softmax (running max m, running sum l, running output), so extra memory follows the block and
 the query block, never the cache. Grouped query heads are folded into the query axis,
 (B, Hq, T, D) -> (B, Hkv, G * T, D): every K/V head is read once for its G query heads and
@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import torch
 
-from .packed import PackedKeys, PackedValues, as_float
+from .packed import CHANNEL, RESIDUAL, TOKEN, PackedKeys, PackedValues, as_float
 
-# Slots converted from codes at a time. A multiple of every key group size used (the KIVI
-# groups of 32 or 64 slots); 256 keeps a block of float32 keys for 8 heads of 128 channels
-# (1 MiB) in the L2 cache of the CPUs measured.
-BLOCK = 256
+# Slots converted from codes at a time: as many as make BLOCK_BYTES of float32 over the rows and
+# K/V heads (256 slots for 8 heads of 128 channels, which stays in the L2 cache of the CPUs
+# measured), between MIN_BLOCK and BLOCK, and a multiple of the KIVI key group. Fewer heads or
+# channels take longer blocks, so the per-block overhead of small models stays small.
+BLOCK = 4096
+MIN_BLOCK = 64
+BLOCK_BYTES = 2**20
 # Queries whose scores against one block of slots exist at a time.
 QUERY_BLOCK = 256
 # Slots of a decode step whose scores exist at a time (G per slot: 512 KiB for 32 query heads).
@@ -32,29 +35,47 @@ SPAN = 4096
 
 def _blocks(k: PackedKeys) -> list[tuple[int, int]]:
     """Slot ranges: the packed slots in blocks aligned to key groups, then the tail."""
-    S = k.slots
-    step = BLOCK if not k.group else max(k.group, BLOCK // k.group * k.group)
+    B, H, S, D = k.codes.shape[0], k.codes.shape[1], k.slots, k.head_dim
+    step = max(MIN_BLOCK, min(BLOCK, BLOCK_BYTES // (4 * B * H * D)))
+    if k.group:
+        step = max(k.group, step // k.group * k.group)
     spans = [(s, min(s + step, S)) for s in range(0, S, step)]
     total = k.shape[2]
-    spans += [(s, min(s + BLOCK, total)) for s in range(S, total, BLOCK)]
+    spans += [(s, min(s + step, total)) for s in range(S, total, step)]
     return spans
 
 
+def _presence(k: PackedKeys, blocks: list[tuple[int, int]]) -> list[tuple[bool, bool, bool]] | list[None]:
+    """For each block of a KIVI view, whether it holds CHANNEL, TOKEN and RESIDUAL keys: one host
+    read per call rather than several per block (None for blocks of other views, and while
+    compiling, when every branch is computed)."""
+    if k.mode is None or torch.compiler.is_compiling():
+        return [None] * len(blocks)
+    S = k.slots
+    edges = torch.tensor([min(s0, S) for s0, _ in blocks] + [S], device=k.mode.device)
+    present = []
+    for mode in (CHANNEL, TOKEN, RESIDUAL):
+        counts = torch.nn.functional.pad((k.mode == mode).flatten(0, 1).any(0).cumsum(0), (1, 0))
+        present.append(counts[edges])
+    rows = torch.stack(present).diff(dim=1).gt(0).T.tolist()
+    return [tuple(r) for r in rows]
+
+
 def _scores(k: PackedKeys, q: torch.Tensor, q_pos: torch.Tensor | None, s0: int, s1: int,
-            work: torch.Tensor | None = None) -> torch.Tensor:
+            work: torch.Tensor | None = None, present=None) -> torch.Tensor:
     """q (B, H, R, D) float32 against slots [s0, s1) (packed or tail): (B, H, R, s1 - s0)."""
     S = k.slots
     if s0 >= S:
         return q @ k.tail[:, :, s0 - S : s1 - S].float().transpose(-1, -2)
-    return k.scores(q, q_pos, s0, s1, work)
+    return k.scores(q, q_pos, s0, s1, work, present)
 
 
 def _mix(v: PackedValues, p: torch.Tensor, s0: int, s1: int, q_pos: torch.Tensor | None,
-         work: torch.Tensor | None = None) -> torch.Tensor:
+         work: torch.Tensor | None = None, present=None) -> torch.Tensor:
     S = v.slots
     if s0 >= S:
         return p @ v.tail[:, :, s0 - S : s1 - S].float()
-    return v.mix(p, s0, s1, q_pos, work)
+    return v.mix(p, s0, s1, q_pos, work, present)
 
 
 def _plain(x) -> bool:
@@ -83,9 +104,9 @@ class _Softmax:
         self.acc = torch.zeros(B, H, R, D, device=device)
 
     def add(self, scores: torch.Tensor, v: PackedValues, s0: int, s1: int, q_pos: torch.Tensor | None,
-            work: torch.Tensor | None = None) -> None:
+            work: torch.Tensor | None = None, present=None) -> None:
         """Fold in the scores (B, H, R, s1 - s0) of slots [s0, s1)."""
-        self.fold(scores, lambda p: _mix(v, p, s0, s1, q_pos, work))
+        self.fold(scores, lambda p: _mix(v, p, s0, s1, q_pos, work, present))
 
     def fold(self, scores: torch.Tensor, mix) -> None:
         """Fold in ``scores`` (B, H, R, n); ``mix(p)`` sums their values weighted by p (B, H, R, n)."""
@@ -136,6 +157,7 @@ def attend(
     H = k.shape[1]
     G = Hq // H
     spans = _blocks(k)
+    present = _presence(k, spans)
     # Host-side bounds of each block's positions, to skip blocks no query of a query block can
     # see (the future half of a causal prefill): one device sync per call.
     kp = k_pos.masked_fill(k_pos < 0, torch.iinfo(torch.long).max)
@@ -160,10 +182,10 @@ def attend(
 
         def block_scores(i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
             s0, s1 = spans[i]
-            sc = _scores(k, qb, pos_rows, s0, s1, work)
+            sc = _scores(k, qb, pos_rows, s0, s1, work, present[i])
             if has_sink[i]:
                 sink_cols = (k_pos[..., s0:s1] < sinks).unsqueeze(2)  # (B, Hp, 1, m)
-                sc = torch.where(sink_cols, _scores(k, qs, pos_rows, s0, s1, work), sc)
+                sc = torch.where(sink_cols, _scores(k, qs, pos_rows, s0, s1, work, present[i]), sc)
             if all_visible:
                 return sc, None
             vis = visibility(q_pos[:, t0:t1], k_pos[..., s0:s1], window, sinks, limit)  # (B, Hp, n, m)
@@ -171,7 +193,7 @@ def attend(
 
         for i in live:
             sc, _ = block_scores(i)
-            state.add(sc, v, *spans[i], pos_rows, work)
+            state.add(sc, v, *spans[i], pos_rows, work, present[i])
         out[:, :, t0:t1] = state.out().view(B, Hq, n, D).to(q.dtype)
         if q_weight is None:
             continue
@@ -215,6 +237,7 @@ def decode(
     qr = q.float().reshape(B, H, G, D) * scale
     qs = None if q_sink is None else q_sink.float().reshape(B, H, G, D) * scale
     blocks = _blocks(k)
+    present = dict(zip(blocks, _presence(k, blocks)))
     work = q.new_empty(B, H, max(s1 - s0 for s0, s1 in blocks), D, dtype=torch.float32)
     plain = _plain(k) and _plain(v)
     state = _Softmax(B, H, G, D, q.device)
@@ -228,7 +251,7 @@ def decode(
                 scores[..., s0 - a : s1 - a] = qr @ as_float(k.codes[:, :, s0:s1], k.bits, work).transpose(-1, -2)
             else:
                 # A decode query follows every group completion, so staged copies are never read.
-                scores[..., s0 - a : s1 - a] = _scores(k, qr, None, s0, s1, work)
+                scores[..., s0 - a : s1 - a] = _scores(k, qr, None, s0, s1, work, present[s0, s1])
         if plain:
             scale_k, zero_k = k.meta[:, :, a:b].float().unbind(-1)  # (B, H, b - a)
             scores = scores * scale_k.unsqueeze(2) + qr.sum(-1, keepdim=True) * zero_k.unsqueeze(2)
@@ -240,7 +263,7 @@ def decode(
 
         def mix(p: torch.Tensor, span=span, a=a, b=b) -> torch.Tensor:
             if not plain:
-                return sum(_mix(v, p[..., s0 - a : s1 - a], s0, s1, None, work) for s0, s1 in span)
+                return sum(_mix(v, p[..., s0 - a : s1 - a], s0, s1, None, work, present[s0, s1]) for s0, s1 in span)
             scale_v, zero_v = v.meta[:, :, a:b].float().unbind(-1)
             scaled = p * scale_v.unsqueeze(2)
             out = p @ zero_v.unsqueeze(-1)  # (B, H, G, 1): the zero points, for every channel

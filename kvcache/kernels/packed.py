@@ -163,10 +163,11 @@ class PackedValues(_Packed):
         return out.to(self.dtype)
 
     def mix(self, p: torch.Tensor, s0: int, s1: int, q_pos: torch.Tensor | None = None,
-            work: torch.Tensor | None = None) -> torch.Tensor:
+            work: torch.Tensor | None = None, present: tuple[bool, bool, bool] | None = None) -> torch.Tensor:
         """sum_s p[..., s] * value[s] over slots [s0, s1): p (B, H, R, s1 - s0) float32 -> (B, H, R, D).
         ``q_pos`` (B, R): each row's position, for staged values (None: none are read).
         ``work``: a float32 buffer of at least (B, H, s1 - s0, D) to convert the codes into.
+        ``present``: whether the slots hold CHANNEL, TOKEN, RESIDUAL keys, if the caller knows.
 
         Scales and zero points are applied to the weights, not to the codes: with n groups,
         p @ (q * scale + zero) = (p * scale) @ q + p @ zero per group, so the only pass over the
@@ -178,7 +179,7 @@ class PackedValues(_Packed):
         staged = _staged_mask(self, q_pos, s0, s1)  # (B, 1, R, m) or None
         full = resid if staged is None else resid | staged
         out = self._mix_codes(torch.where(full, 0.0, p), s0, s1, work)
-        if _any(resid):
+        if present[RESIDUAL] if present is not None else _any(resid):
             out = out + torch.where(resid, p, 0.0) @ _rows_of(self.residual, self.res_start, slots).float()
         if staged is not None:
             out = out + torch.where(staged & ~resid, p, 0.0) @ _staged_rows(self, s0, s1).float()
@@ -245,11 +246,12 @@ class PackedKeys(_Packed):
         return out.to(self.dtype)
 
     def scores(self, q: torch.Tensor, q_pos: torch.Tensor | None, s0: int, s1: int,
-               work: torch.Tensor | None = None) -> torch.Tensor:
+               work: torch.Tensor | None = None, present: tuple[bool, bool, bool] | None = None) -> torch.Tensor:
         """q (B, H, R, D) float32, already scaled -> q . key[s] (B, H, R, s1 - s0) float32.
 
         ``q_pos`` (B, R): each query row's position, for staged groups (None: no staged reads).
         ``work``: a float32 buffer of at least (B, H, s1 - s0, D) to convert the codes into.
+        ``present``: whether the slots hold CHANNEL, TOKEN, RESIDUAL keys, if the caller knows.
         Scales are applied to queries and scores, not to the codes: per token,
         q . (c * scale + zero) = scale * (q . c) + zero * sum(q); per channel over a group,
         q . (c * S + Z) = (q * S) . c + q . Z."""
@@ -257,12 +259,16 @@ class PackedKeys(_Packed):
         if self.mode is None:
             return _token_scores(q, q_codes, self.meta[:, :, s0:s1].float())
         mode = self.mode[:, :, s0:s1].unsqueeze(2)  # (B, H, 1, m)
-        out = q.new_zeros(q.shape[:3] + (s1 - s0,))
-        if _any(mode == TOKEN):
+        has = present if present is not None else [_any(mode == m) for m in (CHANNEL, TOKEN, RESIDUAL)]
+        if has == [True, False, False] or has == (True, False, False):
+            out = self._channel_scores(q, q_codes, s0, s1)  # a sealed block: nothing to choose
+        else:
+            out = q.new_zeros(q.shape[:3] + (s1 - s0,))
+        if has[TOKEN]:
             out = torch.where(mode == TOKEN, _token_scores(q, q_codes, self.meta[:, :, s0:s1].float()), out)
-        if _any(mode == CHANNEL):
+        if has[CHANNEL] and has[TOKEN] | has[RESIDUAL]:
             out = torch.where(mode == CHANNEL, self._channel_scores(q, q_codes, s0, s1), out)
-        if _any(mode == RESIDUAL):
+        if has[RESIDUAL]:
             res = _rows_of(self.residual, self.res_start, torch.arange(s0, s1, device=q.device)).float()
             out = torch.where(mode == RESIDUAL, q @ res.transpose(-1, -2), out)
         staged = _staged_mask(self, q_pos, s0, s1)

@@ -24,7 +24,9 @@ LAYOUTS = ["token8", "token4/4", "token2", "kivi4/4", "kivi2/8", "kivi8/4"]
 def small_blocks(monkeypatch):
     """Blocks far smaller than the inputs, so every path crosses block boundaries."""
     monkeypatch.setattr(blocked, "BLOCK", 8)
+    monkeypatch.setattr(blocked, "MIN_BLOCK", 8)
     monkeypatch.setattr(blocked, "QUERY_BLOCK", 5)
+    monkeypatch.setattr(blocked, "SPAN", 16)
 
 
 def filled(name: str, B=2, H=2, D=16, C=30, per_head=True, seed=0, device=CPU):

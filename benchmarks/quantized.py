@@ -1,0 +1,281 @@
+"""Quantized storage against the full-precision dense cache and SDPA, in one run: bytes, peak
+memory of a decode step, and decode speed. Prints one JSON object (floors from issue 14).
+
+bytes    ``nbytes()`` of one layer's storage (scales, zero points, modes, residual and
+         positions included) at head_dim 128, 8 K/V heads, 32768 slots, against the fp16 (and
+         fp32) full-precision storage. Floors: 4-bit <= 0.30x and 2-bit <= 0.20x of fp16.
+memory   One dense layer (32 query heads, 8 K/V heads, head_dim 128, float32) holding
+         ``--memory-tokens`` tokens, one decode step, each storage in a fresh process. The peak
+         resident set during the step (``VmHWM`` after resetting it) is reported as
+         ``temporaries`` (above what the process held just before the step) and ``peak`` (above
+         what it held before the cache was made: the cache plus the step's temporaries).
+         ``decode_all`` is the path this storage had before (decode every slot, then SDPA) and
+         ``sdpa`` calls SDPA on preallocated float32 keys and values. Floor: the 4-bit peak
+         <= 0.35x of the full-precision dense cache's.
+speed    The same layer at ``--speed-tokens`` tokens: the time of one decode step (the layer's
+         ``attend``: the new token written, attention over every slot), storages taking turns
+         step by step, median over ``--steps x --repeats`` steps; ``sdpa`` as above. Then a
+         small random Llama (4 layers, hidden 256, 4 heads, 2 K/V heads, head_dim 64) decoding
+         after a ``--speed-tokens`` prompt: milliseconds per token, dense and h2o at each
+         storage. Floor: 8-bit decode no slower than float32 dense at 16k tokens.
+
+CPU figures only: run with ``--threads 1`` on a shared machine (the default). On CUDA the
+decode step takes the Triton kernel instead (kernels/triton_decode.py); this script has not
+been run there.
+
+    python benchmarks/quantized.py [--out FILE] [--memory-tokens 32768] [--speed-tokens 16384]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+import kvcache
+from kvcache import attention
+from kvcache.cache import CacheSpec, KVCache
+from kvcache.cache.policies.dense import DenseCache
+
+CPU = torch.device("cpu")
+B, HQ, HKV, D = 1, 32, 8, 128
+STORAGES = ["full", "int8", "int4", "int2", "token4", "token2"]
+FLOORS = {"bytes_int4_vs_fp16": 0.30, "bytes_int2_vs_fp16": 0.20, "peak_int4_vs_dense": 0.35,
+          "decode_int8_vs_fp32_dense": 1.0}
+
+
+def log(*args) -> None:
+    print(*args, file=sys.stderr, flush=True)
+
+
+def layer(storage: str, tokens: int, dtype=torch.float32) -> tuple[KVCache, DenseCache]:
+    """A dense layer of the benchmark geometry holding ``tokens`` random tokens (written in
+    chunks of 1024, as a chunked prefill writes them), with room for a few more."""
+    spec = CacheSpec(batch_size=B, num_kv_heads=HKV, head_dim=D, cache_length=tokens + 64, dtype=dtype, device=CPU,
+                     storage=storage)
+    dense = DenseCache(spec)
+    cache = KVCache([dense], spec, f"dense:{storage}")
+    gen = torch.Generator().manual_seed(0)
+    for start in range(0, tokens, 1024):
+        n = min(1024, tokens - start)
+        step = cache.begin(torch.zeros(B, n, dtype=torch.long), None)
+        k = torch.randn(B, HKV, n, D, generator=gen).to(dtype)
+        dense.storage.write_slice(start, k, torch.randn(B, HKV, n, D, generator=gen).to(dtype), step.positions)
+        cache.commit(step)
+    return cache, dense
+
+
+def decode_step(cache: KVCache, dense: DenseCache, gen: torch.Generator) -> float:
+    """One decode step of the layer (write the token, attend over every slot): seconds."""
+    step = cache.begin(torch.zeros(B, 1, dtype=torch.long), None)
+    q = torch.randn(B, HQ, 1, D, generator=gen)
+    k, v = torch.randn(B, HKV, 1, D, generator=gen), torch.randn(B, HKV, 1, D, generator=gen)
+    t = time.perf_counter()
+    dense.attend(q, k, v, step)
+    elapsed = time.perf_counter() - t
+    cache.commit(step)
+    return elapsed
+
+
+# ----- bytes --------------------------------------------------------------------------------
+
+
+def measure_bytes(tokens: int = 32768) -> dict:
+    out = {}
+    for storage, dtype in [("full", torch.float16), ("full", torch.float32)] + [(s, torch.float16) for s in kvcache.storages()
+                                                                                if s != "full"]:
+        spec = CacheSpec(batch_size=B, num_kv_heads=HKV, head_dim=D, cache_length=tokens, dtype=dtype, device=CPU,
+                         storage=storage)
+        name = storage if storage != "full" else f"full_{str(dtype).removeprefix('torch.')}"
+        out[name] = DenseCache(spec).nbytes()
+    fp16 = out["full_float16"]
+    return {"geometry": dict(head_dim=D, kv_heads=HKV, slots=tokens + 1), "nbytes": out,
+            "vs_fp16": {k: round(v / fp16, 4) for k, v in out.items()}}
+
+
+# ----- memory (one fresh process per storage) -----------------------------------------------
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def _trim() -> None:
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def memory_case(case: str, tokens: int) -> dict:
+    """Runs in its own process (``--memory-case``): see the module docstring."""
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        # Warm the allocator and kernels on a small layer first.
+        warm_cache, warm = layer("full" if case == "sdpa" else case.removesuffix("_decode_all"), 2048)
+        decode_step(warm_cache, warm, gen)
+        del warm_cache, warm
+        _trim()
+        base = _status("VmRSS")
+        if case == "sdpa":
+            k = torch.randn(B, HKV, tokens, D)
+            v = torch.randn(B, HKV, tokens, D)
+            cache_bytes = k.nbytes + v.nbytes
+            q = torch.randn(B, HKV, HQ // HKV, D)
+            run = lambda: F.scaled_dot_product_attention(q, k, v)  # noqa: E731
+        else:
+            storage = case.removesuffix("_decode_all")
+            cache, dense = layer(storage, tokens)
+            cache_bytes = dense.nbytes()
+            decode_step(cache, dense, gen)
+            if case.endswith("_decode_all"):
+                q = torch.randn(B, HQ, 1, D, generator=gen)
+
+                def run():
+                    ks, vs, pos = dense.storage.view(tokens + 1)
+                    return attention.masked(q, ks.decoded(), vs.decoded(), cache.lengths[:, None], pos, all_visible=True)
+            else:
+                run = lambda: decode_step(cache, dense, gen)  # noqa: E731
+        _trim()
+        before = _status("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset the peak (VmHWM) to the current resident set
+        run()
+        peak = _status("VmHWM")
+    return {"case": case, "cache_bytes": cache_bytes, "temporaries": peak - before, "peak": peak - base}
+
+
+def measure_memory(tokens: int) -> dict:
+    """Each case at ``tokens`` and at a quarter of it: temporaries that follow the block stay put."""
+    cases = ["full", "int8", "int4", "int2", "token4", "int4_decode_all", "sdpa"]
+    out = {}
+    for case in cases:
+        runs = {}
+        for n in (tokens // 4, tokens):
+            log(f"memory: {case} at {n} tokens")
+            proc = subprocess.run([sys.executable, __file__, "--memory-case", case, "--memory-tokens", str(n)],
+                                  capture_output=True, text=True, check=True)
+            runs[n] = json.loads(proc.stdout.strip().splitlines()[-1])
+        out[case] = {**runs[tokens], f"temporaries_at_{tokens // 4}": runs[tokens // 4]["temporaries"]}
+    dense = out["full"]["peak"]
+    for r in out.values():
+        r["peak_vs_dense"] = round(r["peak"] / dense, 4)
+    return {"tokens": tokens, "geometry": dict(q_heads=HQ, kv_heads=HKV, head_dim=D, dtype="float32"), "cases": out}
+
+
+# ----- speed ------------------------------------------------------------------------------------
+
+
+def measure_layer_speed(tokens: int, steps: int, repeats: int) -> dict:
+    gen = torch.Generator().manual_seed(2)
+    times: dict[str, list[float]] = {s: [] for s in STORAGES + ["sdpa"]}
+    q = torch.randn(B, HKV, HQ // HKV, D, generator=gen)
+    k, v = torch.randn(B, HKV, tokens, D, generator=gen), torch.randn(B, HKV, tokens, D, generator=gen)
+    with torch.inference_mode():
+        for r in range(repeats):
+            caches = {s: layer(s, tokens) for s in STORAGES}
+            for _ in range(steps):
+                for s in STORAGES:
+                    times[s].append(decode_step(*caches[s], gen))
+                t = time.perf_counter()
+                F.scaled_dot_product_attention(q, k, v)
+                times["sdpa"].append(time.perf_counter() - t)
+            log(f"layer speed: repeat {r + 1}/{repeats}")
+            del caches
+    out = {s: {"median_ms": round(1e3 * statistics.median(t), 3), "mean_ms": round(1e3 * statistics.mean(t), 3)}
+           for s, t in times.items()}
+    for r in out.values():
+        r["vs_full"] = round(r["median_ms"] / out["full"]["median_ms"], 3)
+    return {"tokens": tokens, "geometry": dict(q_heads=HQ, kv_heads=HKV, head_dim=D, dtype="float32"), "steps": out}
+
+
+def measure_model_speed(tokens: int, new: int) -> dict:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=4096, max_position_embeddings=tokens + new + 8,
+                      tie_word_embeddings=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        LlamaForCausalLM(cfg).save_pretrained(tmp)
+        model = kvcache.load(tmp)
+    ids = torch.randint(3, 4096, (1, tokens + new), generator=torch.Generator().manual_seed(3))
+    names = [f"dense{'' if s == 'full' else ':' + s}" for s in ("full", "int8", "int4", "int2")]
+    names += [f"h2o{'' if s == 'full' else ':' + s}" for s in ("full", "int4", "int2")]
+    caches = {}
+    with torch.inference_mode():
+        for name in names:
+            length = tokens + new if name.startswith("dense") else 4096
+            options = {} if name.startswith("dense") else kvcache.cache.budget_options(name, length)
+            caches[name] = kvcache.make_cache(model, name, cache_length=length, **options)
+            for start in range(0, tokens, 2048):
+                model(ids[:, start : min(start + 2048, tokens)], caches[name], last_only=True)
+            log(f"model speed: prefilled {name}")
+        times = {name: [] for name in names}
+        for t in range(tokens, tokens + new):
+            for name in names:
+                t0 = time.perf_counter()
+                model(ids[:, t : t + 1], caches[name], last_only=True)
+                times[name].append(time.perf_counter() - t0)
+    out = {name: {"median_ms": round(1e3 * statistics.median(t), 3), "cache_bytes": caches[name].nbytes()}
+           for name, t in times.items()}
+    for name, r in out.items():
+        ref = out["dense" if name.startswith("dense") else "h2o"]["median_ms"]
+        r["vs_full_precision"] = round(r["median_ms"] / ref, 3)
+    return {"prompt_tokens": tokens, "new_tokens": new, "h2o_cache_length": 4096,
+            "model": "random Llama: 4 layers, hidden 256, 4 heads, 2 K/V heads, head_dim 64, float32", "per_token": out}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", help="also write the JSON here")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--memory-tokens", type=int, default=32768)
+    parser.add_argument("--speed-tokens", type=int, default=16384)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--memory-case", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.memory_case:
+        print(json.dumps(memory_case(args.memory_case, args.memory_tokens)))
+        return
+    torch.set_num_threads(args.threads)
+    report = {"torch": torch.__version__, "threads": args.threads, "device": "cpu"}
+    report["bytes"] = measure_bytes()
+    report["memory"] = measure_memory(args.memory_tokens)
+    report["layer_speed"] = measure_layer_speed(args.speed_tokens, args.steps, args.repeats)
+    report["model_speed"] = measure_model_speed(args.speed_tokens, args.new_tokens)
+    vs = report["bytes"]["vs_fp16"]
+    mem = report["memory"]["cases"]
+    speed = report["layer_speed"]["steps"]
+    report["floors"] = {
+        "bytes_int4_vs_fp16": {"floor": FLOORS["bytes_int4_vs_fp16"], "value": vs["int4"],
+                               "met": vs["int4"] <= FLOORS["bytes_int4_vs_fp16"]},
+        "bytes_int2_vs_fp16": {"floor": FLOORS["bytes_int2_vs_fp16"], "value": vs["int2"],
+                               "met": vs["int2"] <= FLOORS["bytes_int2_vs_fp16"]},
+        "peak_int4_vs_dense": {"floor": FLOORS["peak_int4_vs_dense"], "value": mem["int4"]["peak_vs_dense"],
+                               "met": mem["int4"]["peak_vs_dense"] <= FLOORS["peak_int4_vs_dense"]},
+        "decode_int8_vs_fp32_dense": {"floor": FLOORS["decode_int8_vs_fp32_dense"], "value": speed["int8"]["vs_full"],
+                                      "met": speed["int8"]["vs_full"] <= FLOORS["decode_int8_vs_fp32_dense"]},
+    }
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
