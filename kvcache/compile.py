@@ -51,6 +51,10 @@ class CompiledDecode:
         cache = self.cache
         if tokens.shape != (cache.batch_size, 1):
             raise ValueError(f"tokens must have shape ({cache.batch_size}, 1), got {tuple(tokens.shape)}")
+        if tokens.device != cache.spec.device:
+            raise ValueError(f"tokens are on {tokens.device} but the cache is on {cache.spec.device}")
+        # Checked here, outside the captured step, as forward checks them (no host wait on CUDA).
+        self.model.check_token_ids(tokens)
         limit = cache.max_tokens
         if limit is not None and int(cache.lengths.max()) >= limit:
             row = int(cache.lengths.argmax())
@@ -82,15 +86,9 @@ def captured_decode(model: torch.nn.Module, cache: KVCache) -> CompiledDecode:
 
 def check_capturable(cache: KVCache) -> None:
     """Raise ValueError if the decode steps of ``cache`` cannot be captured (batched eviction)."""
-    reserved = sorted({layer.spec.reserve for layer in _leaves(cache)} - {0})
-    if reserved:
+    # make_cache gives every layer (and head) the reserve of the cache's own spec.
+    if cache.spec.reserve:
         raise ValueError(
-            f"a captured decode step does not support reserve (got reserve={reserved[0]}): batched "
+            f"a captured decode step does not support reserve (got reserve={cache.spec.reserve}): batched "
             "eviction alternates between appending and evicting. Use compile=False, or reserve=0."
         )
-
-
-def _leaves(cache: KVCache):
-    """Every single-head or whole-layer cache of ``cache`` (head-wise layers hold one per head)."""
-    for layer in cache.layers:
-        yield from getattr(layer, "heads", [layer])

@@ -154,7 +154,7 @@ class Transformer(nn.Module):
         B, T = input_ids.shape
         if T == 0:
             raise ValueError("input_ids has no tokens (shape (batch, 0))")
-        self._check_token_ids(input_ids)
+        self.check_token_ids(input_ids)
         if cache is None:
             if n_tokens is not None:
                 raise ValueError("n_tokens (ragged chunks) needs a cache; without one every row has T tokens")
@@ -201,7 +201,7 @@ class Transformer(nn.Module):
         x = self.norm(x)
         return x if skip_lm_head else self.lm_head(x)
 
-    def _check_token_ids(self, input_ids: torch.Tensor) -> None:
+    def check_token_ids(self, input_ids: torch.Tensor) -> None:
         """Reject ids outside [0, vocab_size), padding included, before a cache is touched.
 
         input_ids: (B, T) integer tensor.

@@ -201,3 +201,16 @@ def test_decode_steps_do_not_synchronise_with_the_host_on_cuda(tiny, name):
                     step(ids[:, t : t + 1])
             finally:
                 torch.cuda.set_sync_debug_mode("default")
+
+
+def test_bad_tokens_are_rejected_before_the_step(tiny):
+    cache = kvcache.make_cache(tiny, "h2o", cache_length=8, recent=2)
+    decode = CompiledDecode(tiny, cache, backend="aot_eager")
+    with torch.inference_mode():
+        tiny(ids_for(10), cache)
+        before = cache.layers[0].storage.pos.clone()
+        with pytest.raises(ValueError, match="outside"):
+            decode(torch.tensor([[VOCAB + 5]]))
+        with pytest.raises(ValueError, match="shape"):
+            decode(ids_for(2))
+    assert cache.lengths.tolist() == [10] and torch.equal(cache.layers[0].storage.pos, before)

@@ -117,7 +117,7 @@ def test_token_id_check_does_not_synchronise_on_cuda(llama):
     ids = random_ids(1, batch=2).cuda()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        model._check_token_ids(ids)
+        model.check_token_ids(ids)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
