@@ -260,7 +260,7 @@ class PackedKeys(_Packed):
             return _token_scores(q, q_codes, self.meta[:, :, s0:s1].float())
         mode = self.mode[:, :, s0:s1].unsqueeze(2)  # (B, H, 1, m)
         has = present if present is not None else [_any(mode == m) for m in (CHANNEL, TOKEN, RESIDUAL)]
-        if has == [True, False, False] or has == (True, False, False):
+        if tuple(has) == (True, False, False):
             out = self._channel_scores(q, q_codes, s0, s1)  # a sealed block: nothing to choose
         else:
             out = q.new_zeros(q.shape[:3] + (s1 - s0,))
