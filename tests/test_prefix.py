@@ -86,6 +86,7 @@ def test_aligned_reuse_is_bitwise_equal(model, policy):
 def test_aligned_reuse_is_bitwise_equal_quantized(model, policy, storage):
     store = PrefixStore(model)
     _prefill(model, policy, PROMPTS[:1], store, aligned=True, storage=storage)
+    assert all(store.reusable(p) == len(PREFIX) // CHUNK * CHUNK for p in PROMPTS[1:])
     ref, _ = _prefill(model, policy, PROMPTS, aligned=True, storage=storage)
     got, _ = _prefill(model, policy, PROMPTS, store, aligned=True, storage=storage)
     assert torch.equal(ref, got)
@@ -97,6 +98,7 @@ def test_generate_aligned_with_and_without_the_store(model, policy):
               cache_length=None if policy == "dense" else BUDGET, policy_options=_options(policy) or None)
     store = PrefixStore(model)
     first = kvcache.generate(model, PROMPTS[:1], prefix_store=store, **kw)
+    assert all(store.reusable(p) == len(PREFIX) // CHUNK * CHUNK for p in PROMPTS[1:])
     ref = kvcache.generate(model, PROMPTS, **kw)
     assert kvcache.generate(model, PROMPTS, prefix_store=store, **kw) == ref
     assert first == ref[:1]
@@ -109,10 +111,12 @@ def test_default_reuse_gives_the_same_tokens(model, policy):
               cache_length=None if policy == "dense" else BUDGET, policy_options=_options(policy) or None)
     store = PrefixStore(model)
     kvcache.generate(model, PROMPTS[:1], prefix_store=store, **kw)
+    assert all(store.reusable(p) >= len(PREFIX) // CHUNK * CHUNK for p in PROMPTS[1:])
     ref = kvcache.generate(model, PROMPTS, **kw)
     assert kvcache.generate(model, PROMPTS, prefix_store=store, **kw) == ref
     store = PrefixStore(model)
     _prefill(model, policy, PROMPTS[:1], store)
+    assert all(store.reusable(p) >= len(PREFIX) // CHUNK * CHUNK for p in PROMPTS[1:])
     a, _ = _prefill(model, policy, PROMPTS)
     b, _ = _prefill(model, policy, PROMPTS, store)
     assert (a - b).abs().max().item() <= 1e-5
@@ -255,6 +259,7 @@ def test_save_and_load(model, policy, tmp_path):
     store.save(tmp_path)
     loaded = PrefixStore.load(tmp_path, model)
     assert len(loaded) == len(store) and loaded.nbytes == store.nbytes and loaded.binding == store.binding
+    assert all(loaded.reusable(p) == store.reusable(p) >= len(PREFIX) // CHUNK * CHUNK for p in PROMPTS)
     ref, _ = _prefill(model, policy, PROMPTS, aligned=True)
     got, _ = _prefill(model, policy, PROMPTS, loaded, aligned=True)
     assert torch.equal(ref, got)
