@@ -12,12 +12,18 @@ full precision). Small sizes only (the mask is T x T).
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
 import kvcache
 from kvcache.cache.base import KVCache, LayerCache, Step
 from kvcache.rope import apply_rope, rope_angles
+
+sys.path.insert(0, str(Path(__file__).parent / "cache"))
+from policy_util import build_tiny, ids_for  # noqa: E402
 
 
 def record_held(model, ids: torch.Tensor, policy: str, cache_length: int, sizes: list[int], **options):
@@ -125,35 +131,16 @@ def relative_errors(got: dict, want: dict) -> dict[str, float]:
     return {n: ((got[n] - want[n]).norm() / torch.maximum(want[n].norm(), 0.01 * total)).item() for n in want}
 
 
-def tiny_model(path, *, layers: int = 2, hidden: int = 32, heads: int = 4, kv_heads: int = 2, vocab: int = 64,
-               seed: int = 0) -> kvcache.Transformer:
-    """A tiny random Llama saved with ``save_pretrained`` into ``path`` and loaded by kvcache
-    (fp32). Queries and keys are scaled up so attention is peaked and what a cache drops shows in
-    the loss and its gradient."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
-                      rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    hf = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
-            elif "embed_tokens" in name:
-                p.copy_(torch.randn(p.shape, generator=gen))
-            else:
-                scale = 2.0 if name.endswith(("q_proj.weight", "k_proj.weight")) else 1.0
-                p.copy_(scale * torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
-    hf.save_pretrained(path)
-    return kvcache.load(path)
+def tiny_model(path, *, layers: int = 2, **kwargs) -> kvcache.Transformer:
+    """A tiny random Llama saved into ``path`` and loaded by kvcache (fp32): policy_util's
+    ``build_tiny``, whose queries and keys are scaled up so attention is peaked and what a cache
+    drops shows in the loss and its gradient."""
+    return build_tiny(path, layers=layers, **kwargs)
 
 
 def token_ids(n: int, batch: int = 1, seed: int = 0, vocab: int = 64) -> torch.Tensor:
     """(batch, n) random ids, avoiding the special ids 0..2."""
-    return torch.randint(3, vocab, (batch, n), generator=torch.Generator().manual_seed(seed))
+    return ids_for(n, batch=batch, seed=seed, vocab=vocab)
 
 
 def plain_loss(model, ids: torch.Tensor) -> torch.Tensor:
