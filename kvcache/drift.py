@@ -169,6 +169,8 @@ def transformers_drift(hf, prompts: list[list[int]], setup: Setup, dtype: torch.
     """The comparisons for a transformers causal LM (its default attention), with DynamicCache."""
     from transformers import DynamicCache
 
+    from .hf import cache_kwargs
+
     device = hf.device
     ids = torch.tensor([prompts[0]], device=device)
     T = ids.shape[1]
@@ -176,14 +178,14 @@ def transformers_drift(hf, prompts: list[list[int]], setup: Setup, dtype: torch.
     plain = hf(ids, use_cache=False).logits[0]
     cache = DynamicCache()
     half = T // 2
-    parts = [hf(ids[:, :half], past_key_values=cache, use_cache=True).logits[0]]
+    parts = [hf(ids[:, :half], **cache_kwargs(cache), use_cache=True).logits[0]]
     for t in range(half, T):
-        parts.append(hf(ids[:, t : t + 1], past_key_values=cache, use_cache=True).logits[0])
+        parts.append(hf(ids[:, t : t + 1], **cache_kwargs(cache), use_cache=True).logits[0])
     out.append(_cell(COMPARISONS[0], "transformers", dtype, torch.cat(parts), plain))
 
-    one = hf(ids, past_key_values=DynamicCache(), use_cache=True).logits[0]
+    one = hf(ids, **cache_kwargs(DynamicCache()), use_cache=True).logits[0]
     cache = DynamicCache()
-    chunked = [hf(ids[:, t : t + setup.chunk], past_key_values=cache, use_cache=True).logits[0]
+    chunked = [hf(ids[:, t : t + setup.chunk], **cache_kwargs(cache), use_cache=True).logits[0]
                for t in range(0, T, setup.chunk)]
     out.append(_cell(COMPARISONS[1], "transformers", dtype, torch.cat(chunked), one))
 
@@ -202,7 +204,7 @@ def transformers_drift(hf, prompts: list[list[int]], setup: Setup, dtype: torch.
                      torch.cat([batched[b, T - n :] for b, n in enumerate(lengths)]), torch.cat(alone)))
 
     prefix_cache = DynamicCache()
-    hf(ids[:, : setup.prefix], past_key_values=prefix_cache, use_cache=True)
+    hf(ids[:, : setup.prefix], **cache_kwargs(prefix_cache), use_cache=True)
     fresh, tokens = _hf_continue(hf, ids, DynamicCache(), 0, setup)
     reused, _ = _hf_continue(hf, ids, copy.deepcopy(prefix_cache), setup.prefix, setup, tokens)
     out.append(_cell(COMPARISONS[3], "transformers", dtype, reused, fresh))
@@ -214,11 +216,13 @@ def _hf_continue(hf, ids: torch.Tensor, cache, start: int, setup: Setup,
                  feed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """ids[:, start:] in one call after a cache holding ids[:, :start], then decode steps, as
     ``_continue`` does."""
-    logits = [hf(ids[:, start:], past_key_values=cache, use_cache=True).logits[:, -1]]
+    from .hf import cache_kwargs
+
+    logits = [hf(ids[:, start:], **cache_kwargs(cache), use_cache=True).logits[:, -1]]
     fed = []
     for i in range(setup.steps):
         fed.append(logits[-1].argmax(-1, keepdim=True) if feed is None else feed[i])
-        logits.append(hf(fed[-1], past_key_values=cache, use_cache=True).logits[:, -1])
+        logits.append(hf(fed[-1], **cache_kwargs(cache), use_cache=True).logits[:, -1])
     return torch.cat(logits), torch.stack(fed)
 
 

@@ -1,7 +1,7 @@
 """A transformers ``Cache`` whose layers are kvcache layer caches.
 
 How a forward of a transformers model reaches a kvcache layer cache: each attention module
-rotates its queries and keys, calls ``past_key_values.update(key, value, layer_idx)`` and then
+rotates its queries and keys, calls the cache's ``update(key, value, layer_idx, ...)`` and then
 the registered attention function (attention.py) with the query, the key and value that
 ``update`` returned, and the module. ``HFCache.update`` stores nothing: it returns the new
 keys and values unchanged and leaves a note of the call (this cache, the layer, the key tensor)
@@ -34,6 +34,7 @@ from transformers import Cache
 
 from ..cache import KVCache, Step
 from . import padding
+from .compat import CACHE_ARG
 from .layer import HFLayer
 from .positions import check_positions
 
@@ -54,7 +55,7 @@ _PENDING: ContextVar[_Pending | None] = ContextVar("kvcache_hf_pending", default
 
 NO_CACHE = (
     "attn_implementation='kvcache' computes attention in a kvcache cache, but this call has none: pass "
-    "past_key_values=kvcache.hf.make_cache(model, ...) to the model or to generate, or switch the model back "
+    f"{CACHE_ARG}=kvcache.hf.make_cache(model, ...) to the model or to generate, or switch the model back "
     "with model.set_attn_implementation('sdpa')"
 )
 
@@ -99,12 +100,13 @@ class HFCache(Cache):
     # ----- what transformers asks ---------------------------------------------------------------
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
-               cache_kwargs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               *args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
         """Return the new keys and values unchanged and note the call for the attention function.
 
         key_states, value_states: (B, Hkv, T, D), rotated keys and values of the chunk's tokens.
-        ``cache_kwargs`` (rotary cos/sin, cache positions) is what transformers 5.0 passes; it is
-        not needed, since positions are kvcache's own."""
+        The rest is the base class's open signature: what a release passes there (rotary
+        tensors, cache positions, the attention keywords; see compat.py) is not needed, since
+        positions are kvcache's own and the attention function receives the keywords."""
         stale = _PENDING.get()
         if stale is not None and stale.cache is self:
             raise RuntimeError(
@@ -135,6 +137,7 @@ class HFCache(Cache):
         lengths = [layer.get_max_length() for layer in self.layers]
         return -1 if -1 in lengths else min(lengths)
 
+    # The name transformers 5.0 asks by.
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].get_max_length()
 
@@ -151,7 +154,7 @@ class HFCache(Cache):
     def batch_size(self) -> int:
         return self.kv.batch_size
 
-    # transformers 5.0 names them so.
+    # The names transformers 5.0 asks by.
     @property
     def max_batch_size(self) -> int:
         return self.kv.batch_size

@@ -14,6 +14,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..cache import LayerCache
+from .compat import query_length
 
 if TYPE_CHECKING:
     from .cache import HFCache
@@ -38,8 +39,8 @@ class HFLayer(CacheLayerMixin):
         pass
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor,
-               cache_kwargs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cache.update(key_states, value_states, self.index, cache_kwargs)
+               *args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cache.update(key_states, value_states, self.index, *args, **kwargs)
 
     def get_seq_length(self) -> int:
         return self.cache.get_seq_length()
@@ -47,8 +48,8 @@ class HFLayer(CacheLayerMixin):
     def get_mask_sizes(self, query: int | torch.Tensor) -> tuple[int, int]:
         """(keys an attention call reads at most, tokens no longer held before them).
 
-        query: the chunk's length T (transformers >= 5.x) or its cache positions (T,) (5.0)."""
-        T = query if isinstance(query, int) else int(query.shape[0])
+        query: the chunk's length T, or its cache positions (T,) (see compat.py)."""
+        T = query_length(query)
         seen = self.cache.get_seq_length()
         held = min(seen, self.layer.spec.cache_length)
         return held + T, seen - held
@@ -56,7 +57,7 @@ class HFLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1 if self.layer.evicts else self.layer.spec.cache_length
 
-    # transformers 5.0 names get_max_length so.
+    # The name transformers 5.0 asks by.
     get_max_cache_shape = get_max_length
 
     def offload(self) -> None:

@@ -12,6 +12,7 @@ import zlib
 import torch
 
 import kvcache.hf
+from kvcache.hf import cache_kwargs
 from conftest import FAMILIES, HIDDEN, VOCAB, _COMMON, build_hf_model
 
 # Families kvcache does not implement, whose attention goes through transformers' interface.
@@ -41,9 +42,11 @@ def _other_config(name: str):
     if name == "gemma2_nocap":
         return transformers.Gemma2Config(**_COMMON, head_dim=16, attn_logit_softcapping=None,
                                          final_logit_softcapping=None, tie_word_embeddings=True)
-    if name == "gptj":
-        return transformers.GPTJConfig(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=4, rotary_dim=8,
-                                       n_positions=256, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if name == "falcon":
+        # Rotary, but its attention is computed in the module, outside the AttentionInterface.
+        return transformers.FalconConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2,
+                                         num_attention_heads=4, new_decoder_architecture=False, multi_query=True,
+                                         alibi=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     raise KeyError(name)
 
 
@@ -81,8 +84,8 @@ def build(name: str, attn: str = "eager"):
 
 def greedy(model, ids: torch.Tensor, n: int, cache=None, **kwargs):
     """(sequences (B, T + n), logits (B, n, vocab)) of greedy ``generate``; ``cache`` is passed
-    as ``past_key_values`` (None: transformers' DynamicCache)."""
-    out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, past_key_values=cache,
+    as the installed transformers takes it (None: transformers' DynamicCache)."""
+    out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **cache_kwargs(cache),
                          output_logits=True, return_dict_in_generate=True, **kwargs)
     return out.sequences, torch.stack(out.logits, dim=1)
 

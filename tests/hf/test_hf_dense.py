@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import kvcache.hf
+from kvcache.hf import cache_kwargs
 from conftest import CACHE_ATOL, max_diff, random_ids
 from hf_models import OTHER_FAMILIES, build, greedy, left_pad, make
 
@@ -41,7 +42,7 @@ def test_chunked_prefill_equals_plain_forward():
         got = []
         start = 0
         for n in (16, 1, 7, 16):
-            got.append(model(ids[:, start:start + n], past_key_values=cache).logits)
+            got.append(model(ids[:, start:start + n], **cache_kwargs(cache)).logits)
             start += n
     assert cache.get_seq_length() == 40
     assert max_diff(torch.cat(got, dim=1), want) <= ATOL
@@ -84,13 +85,13 @@ def test_right_padding_fed_by_hand_equals_rows_alone():
     nxt = random_ids(2, batch=2, seed=8)
     with torch.no_grad():
         cache = kvcache.hf.make_cache(model, "dense", cache_length=14, batch_size=2)
-        first = model(ids, attention_mask=mask, past_key_values=cache).logits
+        first = model(ids, attention_mask=mask, **cache_kwargs(cache)).logits
         positions = cache.lengths[:, None] + torch.arange(2)
         mask = torch.cat([mask, torch.ones(2, 2, dtype=torch.long)], dim=1)
-        second = model(nxt, attention_mask=mask, position_ids=positions, past_key_values=cache).logits
+        second = model(nxt, attention_mask=mask, position_ids=positions, **cache_kwargs(cache)).logits
         for row, (real, n) in enumerate(((a, 12), (b, 9))):
             alone = kvcache.hf.make_cache(model, "dense", cache_length=14)
-            want = model(torch.cat([real, nxt[row]])[None], past_key_values=alone).logits[0]
+            want = model(torch.cat([real, nxt[row]])[None], **cache_kwargs(alone)).logits[0]
             assert max_diff(first[row, :n], want[:n]) <= ATOL
             assert max_diff(second[row], want[n:]) <= ATOL
     assert cache.lengths.tolist() == [14, 11]
@@ -116,7 +117,7 @@ def test_sizes_report_tokens_seen_not_slots_held():
     ids = random_ids(30, seed=11)
     with torch.no_grad():
         for start in range(0, 30, 10):
-            model(ids[:, start:start + 10], past_key_values=cache)
+            model(ids[:, start:start + 10], **cache_kwargs(cache))
     assert cache.get_seq_length() == 30 == int(cache.lengths[0])
     layer = cache.kv.layers[0]
     # Slots held: the budget, in every K/V head (h2o evicts per head), and no more.

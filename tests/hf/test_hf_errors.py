@@ -8,9 +8,10 @@ import torch
 
 import kvcache
 import kvcache.hf
+from kvcache.hf import cache_kwargs
 from conftest import CACHE_ATOL, max_diff, random_ids
 from hf_models import build, greedy, left_pad
-from kvcache.hf.version import check
+from kvcache.hf.compat import CACHE_ARG, check
 
 
 @pytest.mark.parametrize("version", ["4.57.1", "4.56.0", "6.0.0", "6.1.0.dev0"])
@@ -25,7 +26,7 @@ def test_supported_transformers_version(version):
 
 
 def test_model_whose_attention_bypasses_the_interface():
-    model = build("gptj")
+    model = build("falcon")
     with pytest.raises(kvcache.hf.UnsupportedModelError, match="does not go through transformers' AttentionInterface"):
         kvcache.hf.make_cache(model, "dense", cache_length=8)
     assert model.config._attn_implementation == "eager"
@@ -54,9 +55,9 @@ def test_call_without_a_kvcache_cache():
     model = build("llama")
     kvcache.hf.make_cache(model, "dense", cache_length=8)
     ids = random_ids(4)
-    with pytest.raises(RuntimeError, match="past_key_values=kvcache.hf.make_cache"):
+    with pytest.raises(RuntimeError, match=rf"{CACHE_ARG}=kvcache\.hf\.make_cache"):
         model(ids)  # transformers makes a DynamicCache
-    with pytest.raises(RuntimeError, match="past_key_values=kvcache.hf.make_cache"):
+    with pytest.raises(RuntimeError, match=rf"{CACHE_ARG}=kvcache\.hf\.make_cache"):
         model(ids, use_cache=False)
     model.set_attn_implementation("eager")
     model(ids)
@@ -67,10 +68,10 @@ def test_cache_with_attention_switched_back():
     cache = kvcache.hf.make_cache(model, "dense", cache_length=8)
     model.set_attn_implementation("eager")
     with pytest.raises(RuntimeError, match="not set to attn_implementation='kvcache'"):
-        model(random_ids(4), past_key_values=cache)
+        model(random_ids(4), **cache_kwargs(cache))
     cache.reset()
     model.set_attn_implementation("kvcache")
-    model(random_ids(4), past_key_values=cache)
+    model(random_ids(4), **cache_kwargs(cache))
     assert cache.get_seq_length() == 4
 
 
@@ -80,20 +81,20 @@ def test_rejected_calls_leave_the_cache_as_it_was():
     cache = kvcache.hf.make_cache(model, "dense", cache_length=10, batch_size=2)
     with torch.no_grad():
         with pytest.raises(ValueError, match="batch_size=2"):
-            model(ids[:1], past_key_values=cache)
+            model(ids[:1], **cache_kwargs(cache))
         with pytest.raises(kvcache.CapacityError):
-            model(ids, past_key_values=cache)  # 12 tokens into 10 slots
+            model(ids, **cache_kwargs(cache))  # 12 tokens into 10 slots
         with pytest.raises(ValueError, match="position_ids of row 0"):
-            model(ids[:, :4], position_ids=torch.arange(1, 5)[None], past_key_values=cache)
+            model(ids[:, :4], position_ids=torch.arange(1, 5)[None], **cache_kwargs(cache))
         with pytest.raises(ValueError, match="2D padding mask"):
-            model(ids[:, :4], attention_mask=torch.ones(2, 1, 4, 4, dtype=torch.bool), past_key_values=cache)
+            model(ids[:, :4], attention_mask=torch.ones(2, 1, 4, 4, dtype=torch.bool), **cache_kwargs(cache))
         gap = torch.tensor([[1, 1, 1, 1], [1, 0, 1, 1]])
         with pytest.raises(ValueError, match="row 1 has padding between real tokens"):
-            model(ids[:, :4], attention_mask=gap, past_key_values=cache)
+            model(ids[:, :4], attention_mask=gap, **cache_kwargs(cache))
         assert cache.get_seq_length() == 0 and cache.lengths.tolist() == [0, 0]
-        got = model(ids[:, :10], past_key_values=cache).logits
-    assert max_diff(got, model(ids[:, :10], past_key_values=kvcache.hf.make_cache(
-        model, "dense", cache_length=10, batch_size=2)).logits) <= CACHE_ATOL[torch.float32]
+        got = model(ids[:, :10], **cache_kwargs(cache)).logits
+    assert max_diff(got, model(ids[:, :10], **cache_kwargs(kvcache.hf.make_cache(
+        model, "dense", cache_length=10, batch_size=2))).logits) <= CACHE_ATOL[torch.float32]
 
 
 def test_a_forward_stopped_half_way_asks_for_reset():
@@ -106,12 +107,12 @@ def test_a_forward_stopped_half_way_asks_for_reset():
 
     hook = model.model.layers[1].register_forward_pre_hook(fail)
     with pytest.raises(KeyboardInterrupt):
-        model(ids, past_key_values=cache)
+        model(ids, **cache_kwargs(cache))
     hook.remove()
     with pytest.raises(RuntimeError, match=r"stopped after layer 0.*reset\(\)"):
-        model(ids, past_key_values=cache)
+        model(ids, **cache_kwargs(cache))
     cache.reset()
-    model(ids, past_key_values=cache)
+    model(ids, **cache_kwargs(cache))
     assert cache.get_seq_length() == 4
 
 
@@ -120,7 +121,7 @@ def test_row_operations_are_refused():
     ids, mask = left_pad([random_ids(6, seed=32)[0].tolist(), random_ids(4, seed=33)[0].tolist()])
     cache = kvcache.hf.make_cache(model, "h2o", cache_length=8, batch_size=4)
     with pytest.raises(NotImplementedError, match="beam search"):
-        model.generate(ids, attention_mask=mask, past_key_values=cache, num_beams=2, max_new_tokens=3,
+        model.generate(ids, attention_mask=mask, **cache_kwargs(cache), num_beams=2, max_new_tokens=3,
                        do_sample=False)
     cache = kvcache.hf.make_cache(model, "h2o", cache_length=8)
     cache.crop(0)

@@ -16,6 +16,7 @@ import torch
 
 import kvcache
 import kvcache.hf
+from kvcache.hf import cache_kwargs
 from conftest import CACHE_ATOL, HF_ATOL, max_diff, random_ids
 from hf_models import greedy, left_pad, make
 
@@ -57,7 +58,7 @@ def test_policy_equals_kvcache_model(models, policy):
         for n in SCHEDULE:
             chunk = ids[:, start:start + n]
             start += n
-            got = hf(input_ids=chunk, past_key_values=ours).logits
+            got = hf(input_ids=chunk, **cache_kwargs(ours)).logits
             want = native(chunk, theirs)
             assert max_diff(got, want) <= HF_ATOL[torch.float32], f"{policy}, after {start} tokens"
             for i, (a, b) in enumerate(zip(ours.kv.layers, theirs.layers)):
