@@ -52,6 +52,8 @@ class CacheSpec:
     # Slots an evicting policy leaves free when a chunk overflows: it keeps cache_length - reserve
     # tokens, and the next reserve tokens are appended without evicting (see evicting.py).
     reserve: int = 0
+    # Positions per block of eviction: an evicting policy keeps whole aligned blocks (blocks.py).
+    block: int = 1
 
     def __post_init__(self) -> None:
         if self.batch_size <= 0:
@@ -61,13 +63,14 @@ class CacheSpec:
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, *, batch_size: int, cache_length: int, storage: str = "full",
-                  reserve: int = 0) -> CacheSpec:
+                  reserve: int = 0, block: int = 1) -> CacheSpec:
         """The geometry of a cache for ``model`` (a ``Transformer``): its K/V heads, head size,
         dtype, device, sliding window and rotary frequencies. The one place they are read."""
         cfg, weight = model.config, model.embed_tokens.weight
         return cls(batch_size=batch_size, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                    cache_length=cache_length, dtype=weight.dtype, device=weight.device,
-                   window=cfg.sliding_window, inv_freq=model.inv_freq, storage=storage, reserve=reserve)
+                   window=cfg.sliding_window, inv_freq=model.inv_freq, storage=storage, reserve=reserve,
+                   block=block)
 
 
 @dataclass(frozen=True)

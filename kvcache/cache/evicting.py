@@ -38,6 +38,7 @@ import torch
 
 from .. import attention
 from .base import CacheSpec, LayerCache, Step
+from .blocks import check_static_block, keep_whole_blocks
 from .candidates import Candidates
 from .storage import make_storage
 
@@ -87,6 +88,11 @@ class EvictingCache(LayerCache):
         """Positions below this stay visible whatever ``window`` says."""
         return 0
 
+    def _window(self) -> int | None:
+        """The policy's ``window`` as attention applies it: with ``block > 1`` a query sees exactly
+        the kept blocks and its own chunk (blocks.py), so no window."""
+        return None if self.spec.block > 1 else self.window()
+
     def query_weight(self, step: Step) -> torch.Tensor:
         """(B, T) weight of each query in the attention mass that ``observe`` receives."""
         return step.valid.float()
@@ -105,7 +111,7 @@ class EvictingCache(LayerCache):
     # ----- shared machinery ------------------------------------------------------------------
     def _attend(self, q, k, v, q_pos, k_pos, step: Step, q_sink=None, observe: bool = True):
         """Attention over candidates; returns out and, if the policy observes, mass and seen."""
-        rule = dict(window=self.window(), sinks=self.sinks(), limit=self.spec.window)
+        rule = dict(window=self._window(), sinks=self.sinks(), limit=self.spec.window)
         # A prompt alone in an empty cache (the candidates are the chunk itself) takes renumbered
         # sinks on the fused path too (see ``_outputs``).
         alone = step.fresh and step.uniform and k.shape[2] == q.shape[2]
@@ -141,7 +147,8 @@ class EvictingCache(LayerCache):
             return self.decode_static(q, k, v, step)
         if bool((self.held + step.n_tokens <= self.spec.cache_length).all()):
             return self._append(q, k, v, step)
-        if step.decode and not self.spec.reserve:
+        # The decode path moves one token over one victim; whole blocks are evicted by the chunk path.
+        if step.decode and not self.spec.reserve and self.spec.block == 1:
             return self._decode(q, k, v, step)
         return self._chunk(q, k, v, step)
 
@@ -165,7 +172,7 @@ class EvictingCache(LayerCache):
         span = int(self.held.max())
         ks, vs, pos = store.view(span)
         observe = self.needs_attention and self.observe_every_step
-        if step.decode and self.window() is None and self.spec.window is None:
+        if step.decode and self._window() is None and self.spec.window is None:
             # Every held slot is in the past: only the empty ones of shorter rows are hidden, and
             # with equal rows none (then, without weights, this is the dense decode call).
             visible = None if even else pos >= 0
@@ -188,6 +195,7 @@ class EvictingCache(LayerCache):
         ))
 
     def decode_static(self, q, k, v, step: Step) -> torch.Tensor:
+        check_static_block(self.spec)
         # The decode path serves a cache that is not full too: the lowest-priority slot is then
         # an empty one, the first (as appending would choose), so one path covers every step.
         return self._decode(q, k, v, step)
@@ -259,6 +267,11 @@ class EvictingCache(LayerCache):
         C = self.spec.cache_length
         cand_k, cand_v, cand_pos, stat, step = c.keys, c.values, c.positions, c.stats, c.step
         prio = self.priority(c).masked_fill(cand_pos < 0, EMPTY)
+        total = self.held + step.n_tokens
+        over = total > C
+        if self.spec.block > 1:
+            room = torch.where(over, C - self.spec.reserve, C)
+            prio, kept = keep_whole_blocks(prio, cand_pos, self.spec.block, c.newest, room)
         # Newest first, then a stable sort by priority: ties keep the newer token, whatever the slot order.
         by_age = cand_pos.argsort(dim=-1, descending=True, stable=True)
         ranked = prio.gather(2, by_age).sort(dim=-1, descending=True, stable=True).indices
@@ -266,8 +279,11 @@ class EvictingCache(LayerCache):
         self.storage.keep(cand_k, cand_v, cand_pos, keep, stored=stored)
         for name, s in self.stat.items():
             s[:, :, :C] = stat[name].gather(2, keep)
-        total = self.held + step.n_tokens
-        over = total > C
+        if self.spec.block > 1:
+            # Slots hold the kept candidates first; each head's dropped ones (past its own count) are emptied.
+            self.held = kept
+            self.storage.pos[:, :, :C].masked_fill_(prio.gather(2, keep) == EMPTY, -1)
+            return
         self.held = torch.where(over, C - self.spec.reserve, total)
         if self.spec.reserve and bool(over.any()):
             # Slots hold candidates in rank order: past a row's ``held`` are the ones it drops.

@@ -20,6 +20,7 @@ import torch
 
 from . import policies as _policy_package
 from .base import CacheSpec, KVCache, LayerCache
+from .blocks import check_block
 from .budgets import layer_budgets
 from .headwise import HeadwiseCache
 from .options import OptionInfo, build, describe
@@ -145,6 +146,7 @@ def make_cache(
     allocation: str | Sequence[int] = "uniform",
     head_budgets: Sequence[Sequence[int]] | None = None,
     reserve: int = 0,
+    block: int = 1,
     **options: object,
 ) -> KVCache:
     """A cache for ``model`` holding up to ``cache_length`` tokens per row for ``batch_size`` rows.
@@ -161,7 +163,8 @@ def make_cache(
     the next ``reserve`` tokens are appended without evicting. With ``cache_length = kept +
     reserve`` a prompt is compressed to ``kept`` tokens once and then grows by up to ``reserve``
     tokens, as kvpress does. Buffers are allocated here, once, in the model's dtype and on its
-    device.
+    device. ``block`` (any policy) makes an evicting policy keep whole aligned blocks of
+    ``block`` positions, as a paged serving engine frees them (see blocks.py).
     """
     policy_name, storage = parse_name(policy)
     cls = _lookup(policy_name)
@@ -188,6 +191,7 @@ def make_cache(
         budgets = layer_budgets(tokens, cfg.num_layers, allocation)
         sizes = budgets
     _check_reserve(cls, reserve, min(sizes, default=0))
+    check_block(block, policy_name, cls.evicts, min(sizes, default=0) - reserve)
 
     def where(i: int, size: int) -> str:
         """How a layer's (or head's) size came from what the user asked, for error messages."""
@@ -203,7 +207,8 @@ def make_cache(
 
     layers: list[LayerCache] = []
     for i, budget in enumerate(budgets):
-        spec = CacheSpec.for_model(model, batch_size=batch_size, cache_length=budget, storage=storage, reserve=reserve)
+        spec = CacheSpec.for_model(model, batch_size=batch_size, cache_length=budget, storage=storage, reserve=reserve,
+                                  block=block)
         heads = None if head_budgets is None else head_budgets[i]
         try:
             layers.append(_layer(cls, spec, options, heads))

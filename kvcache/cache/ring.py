@@ -13,6 +13,7 @@ import torch
 
 from .. import attention
 from .base import Step
+from .blocks import check_static_block
 from .candidates import Candidates
 from .evicting import PROTECTED, EvictingCache
 
@@ -27,9 +28,12 @@ class RingCache(EvictingCache):
     def chunking_invariant(self) -> bool:
         # What it keeps is a function of positions, and each query sees the same keys however the
         # sequence is chunked, provided a chunk attends its new tokens as they will be stored.
-        return self.storage.exact_roundtrip
+        return self.storage.exact_roundtrip and self.spec.block == 1
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
+        if self.spec.block > 1:
+            # Whole blocks: the ranked paths of every evicting cache (blocks.py), by ``priority``.
+            return super().attend(q, k, v, step)
         # A ring appends at the slot its position names: no held-slot bookkeeping, no search.
         if step.static:
             return self.decode_static(q, k, v, step)
@@ -52,6 +56,8 @@ class RingCache(EvictingCache):
         return (positions > newest - (self.spec.cache_length - self.sinks())) | (positions < self.sinks())
 
     def _keep(self, c: Candidates, stored: int) -> None:
+        if self.spec.block > 1:
+            return super()._keep(c, stored)
         C, step = self.spec.cache_length, c.step
         new_k, new_v = c.keys[:, :, stored:], c.values[:, :, stored:]
         keep = step.valid & self._survives(step.positions, step.newest[:, None])
@@ -85,6 +91,7 @@ class RingCache(EvictingCache):
         return out
 
     def decode_static(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
+        check_static_block(self.spec)
         # The token goes to its position's slot; every slot is attended with the policy's
         # visibility mask (empty slots hidden), and renumbered sinks are scored by the rotated
         # query (a bias on their columns), so no slot is modified for scoring.

@@ -58,6 +58,9 @@ class SinkCache(RingCache):
 
     def __init__(self, spec: CacheSpec, options: SinkOptions) -> None:
         require_room(spec, "sinks", options.sinks)
+        if options.positions == "renumbered" and spec.block > 1:
+            raise ValueError(f"renumbered sink positions need a ring of single tokens; with block={spec.block} "
+                             "pass positions='absolute'")
         if options.positions == "renumbered" and spec.inv_freq is None:
             raise ValueError("renumbered sink positions need the model's rotary frequencies (spec.inv_freq)")
         super().__init__(spec, options)
