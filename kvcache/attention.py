@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels
+from .kernels.visibility import visibility
 
 # Largest number of queries whose (query x key) mask and scores are materialised at once.
 QUERY_BLOCK = 1024
@@ -91,28 +92,6 @@ def causal(
         bias.masked_fill_(~vis, float("-inf"))
         out[:, :, start:stop] = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=bias, enable_gqa=gqa)
     return out
-
-
-def visibility(
-    q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, sinks: int = 0, limit: int | None = None
-) -> torch.Tensor:
-    """Which keys each query may see.
-
-    q_pos: (B, T) absolute query positions; k_pos: (B, Hp, S) key positions, -1 for an empty slot
-    (Hp is 1 when all heads share slots, else Hkv). Returns (B, Hp, T, S) bool: the key slot is
-    filled, not in the future, and (with a window) not further back than ``window - 1``, except
-    that the first ``sinks`` positions stay visible whatever the window. ``limit`` is a hard
-    window that applies to sinks too (the model's own sliding window).
-    """
-    kp = k_pos.unsqueeze(2)
-    qp = q_pos[:, None, :, None]
-    mask = (kp >= 0) & (kp <= qp)
-    if window is not None:
-        recent = kp > qp - window
-        mask &= (recent | (kp < sinks)) if sinks else recent
-    if limit is not None:
-        mask &= kp > qp - limit
-    return mask
 
 
 def masked(

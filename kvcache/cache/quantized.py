@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.packed import CHANNEL, RESIDUAL, TOKEN, PackedKeys, PackedValues
+from ..quant.packed import CHANNEL, RESIDUAL, TOKEN, PackedKeys, PackedValues
 from .base import CacheSpec
-from .codes import decode_tokens, encode_tokens, pack, quantize, unpack
+from ..quant.codes import decode_tokens, encode_tokens, pack, quantize, unpack
 
 
 class TokenStorage:
@@ -148,7 +148,7 @@ class KiviStorage(TokenStorage):
 
     k, v, k_meta, v_meta, pos: as ``TokenStorage``; ``k_meta`` holds each key's per-token scale
                   and zero point (one group of channels), used by slots in TOKEN mode.
-    k_mode:       (B, Hkv, C + 1) uint8: CHANNEL, TOKEN or RESIDUAL (kernels/packed.py); values
+    k_mode:       (B, Hkv, C + 1) uint8: CHANNEL, TOKEN or RESIDUAL (quant/packed.py); values
                   of RESIDUAL slots are read at full precision too, the others from their codes.
     k_channel:    (B, Hkv, C // group + 1, 2, D) fp16: per-channel scale and zero point of each
                   group of slots (only whole groups are used: a group cut short by the end of

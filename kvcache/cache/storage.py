@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 
 from .base import CacheSpec
-from .codes import BITS
+from ..quant.codes import BITS
 from .quantized import KiviStorage, TokenStorage
 
 
@@ -31,7 +31,7 @@ class Storage(Protocol):
     checks them for every registered storage):
       * ``view`` returns what attention reads. Full precision (``packed`` False): the buffers
         themselves, so writing into the view writes the cache. Quantized (``packed`` True):
-        ``PackedKeys`` and ``PackedValues`` (kernels/packed.py) that refer to the codes without
+        ``PackedKeys`` and ``PackedValues`` (quant/packed.py) that refer to the codes without
         copying them; attention reads them block by block and anything else decodes them on use.
       * ``roundtrip(k, v)`` is how a chunk attends its new tokens before they are placed. With
         ``exact_roundtrip`` it is exactly what ``view`` will return once they are stored, and

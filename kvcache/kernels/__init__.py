@@ -15,8 +15,9 @@ import warnings
 
 import torch
 
+from ..quant.packed import CHANNEL, RESIDUAL, TOKEN, PackedKeys, PackedValues
 from . import blocked
-from .packed import CHANNEL, RESIDUAL, TOKEN, PackedKeys, PackedValues
+from .visibility import visibility
 
 __all__ = ["CHANNEL", "RESIDUAL", "TOKEN", "PackedKeys", "PackedValues", "attend", "decode", "is_packed"]
 
@@ -34,8 +35,6 @@ def attend(q, k, v, q_pos, k_pos, *, window=None, sinks=0, limit=None, all_visib
     (and ``masked_with_weights``' with ``q_weight``). Returns out, mass, seen (None without
     ``q_weight``). One query per row (a dense decode step) takes ``decode``."""
     if q.shape[2] == 1 and q_weight is None and q_sink is None:
-        from ..attention import visibility
-
         visible = None if all_visible else visibility(q_pos, k_pos, window, sinks, limit)[:, :, 0]
         return decode(q, k, v, visible)[0], None, None
     return blocked.attend(q, k, v, q_pos, k_pos, window=window, sinks=sinks, limit=limit, all_visible=all_visible,

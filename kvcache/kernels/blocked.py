@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from .packed import CHANNEL, RESIDUAL, TOKEN, PackedKeys, PackedValues, as_float
+from ..quant.packed import CHANNEL, RESIDUAL, TOKEN, PackedKeys, PackedValues, as_float
+from .visibility import visibility
 
 # Slots converted from codes at a time: as many as make BLOCK_BYTES of float32 over the rows and
 # K/V heads (256 slots for 8 heads of 128 channels, which stays in the L2 cache of the CPUs
@@ -146,13 +147,11 @@ def attend(
     """Queries at ``q_pos`` against packed slots at ``k_pos``, as ``attention.masked`` (and,
     with ``q_weight``, ``attention.masked_with_weights``).
 
-    q: (B, Hq, T, D); q_pos: (B, T); k_pos: (B, Hp, S); visibility as ``attention.visibility``.
+    q: (B, Hq, T, D); q_pos: (B, T); k_pos: (B, Hp, S); visibility as ``visibility.visibility``.
     ``q_sink`` (B, Hq, T, D) scores keys at positions below ``sinks`` instead of q.
     Returns out (B, Hq, T, D) and, with ``q_weight`` (B, T), mass (B, Hkv, S) and seen (B, Hp, S)
     as ``masked_with_weights`` defines them (else None, None).
     """
-    from ..attention import visibility
-
     B, Hq, T, D = q.shape
     H = k.shape[1]
     G = Hq // H

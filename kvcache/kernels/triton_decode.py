@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .packed import PackedKeys, PackedValues
+from ..quant.packed import PackedKeys, PackedValues
 
 BLOCK_S = 64
 # Slots per program: enough work per program to hide latency, few enough programs to fill the GPU.

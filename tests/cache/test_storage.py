@@ -10,7 +10,7 @@ import torch
 
 import kvcache
 from kvcache.cache import CacheSpec
-from kvcache.cache.codes import decode_tokens, encode_tokens, quantize, unpack
+from kvcache.quant.codes import decode_tokens, encode_tokens, quantize, unpack
 from kvcache.cache.quantized import KiviStorage, TokenStorage
 from kvcache.cache.storage import STORAGES, FullStorage, make_storage, parse_storage
 from kvcache.cli import main

@@ -159,7 +159,7 @@ def test_nothing_decodes_a_whole_cache(llama, monkeypatch, policy):
 
     monkeypatch.setattr(PackedKeys, "decoded", refuse)
     monkeypatch.setattr(PackedValues, "decoded", refuse)
-    from kvcache.kernels import packed
+    from kvcache.quant import packed
 
     largest = []
     real = packed.as_float

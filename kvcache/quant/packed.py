@@ -1,7 +1,7 @@
 """Packed views: what a quantized storage's ``view`` returns instead of decoded tensors.
 
 A ``PackedKeys`` or ``PackedValues`` describes the first S slots of a layer's buffers as codes
-plus their scales. Attention (kernels/) reads it one block of slots at a time and never decodes
+plus their scales. Attention (kvcache/kernels/) reads it one block of slots at a time and never decodes
 the whole. Anything else that uses it as a tensor (a policy hook reading ``c.keys``, a test)
 gets it decoded on first use: the views take part in torch functions through
 ``__torch_function__`` and forward tensor attributes to the decoded tensor, so policies need
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache.codes import unpack
+from .codes import unpack
 
 # Key layouts, per slot (``PackedKeys.mode``).
 CHANNEL = 0  # codes scaled per channel by the slot's group of ``group`` slots (KIVI)
