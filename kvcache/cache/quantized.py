@@ -160,9 +160,9 @@ class KiviStorage(TokenStorage):
 
     exact_roundtrip = False
 
-    def __init__(self, spec: CacheSpec, bits: int, per_head: bool = False, group: int = 64,
-                 value_group: int | None = None) -> None:
-        super().__init__(spec, bits, per_head, value_group)
+    def __init__(self, spec: CacheSpec, bits: int, per_head: bool = False, group: int = 64) -> None:
+        # Values stay per token over the whole head (no value group), as KIVI keeps them.
+        super().__init__(spec, bits, per_head)
         B, H, C, D = spec.batch_size, spec.num_kv_heads, spec.cache_length, spec.head_dim
         dev = spec.device
         self.key_group = group

@@ -149,7 +149,6 @@ class FullStorage:
 
 # The layout each plain width names: measured best at that width (docs/policies/storage.md).
 BEST = {8: "token", 4: "kivi", 2: "kivi"}
-LAYOUTS = ("token", "kivi")
 # Slots per KIVI key group, when the name does not say.
 KIVI_GROUP = 64
 
