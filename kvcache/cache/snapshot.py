@@ -71,9 +71,9 @@ class Snapshot:
 
 
 def storage_buffers(storage: object) -> dict[str, torch.Tensor]:
-    """A storage's buffers: its tensor attributes (``FullStorage``: k, v, pos; a quantized one
+    """A storage's buffers, as its ``buffers()`` names them (``full``: k, v, pos; a quantized one
     adds its scales). Every one is (B, ...), batch first, as the Storage protocol lays them out."""
-    return {name: t for name, t in vars(storage).items() if isinstance(t, torch.Tensor)}
+    return storage.buffers()
 
 
 def check_tensors(live: Mapping[str, torch.Tensor], given: Mapping[str, torch.Tensor], rows: int, where: str) -> None:

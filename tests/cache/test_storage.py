@@ -11,8 +11,10 @@ import torch
 import kvcache
 from kvcache.cache import CacheSpec
 from kvcache.quant.codes import decode_tokens, encode_tokens, quantize, unpack
-from kvcache.cache.quantized import KiviStorage, TokenStorage
-from kvcache.cache.storage import STORAGES, FullStorage, make_storage, parse_storage
+from kvcache.cache.storages.kivi import KiviStorage
+from kvcache.cache.storages.token import TokenStorage
+from kvcache.cache.storage import STORAGES, make_storage, parse_storage
+from kvcache.cache.storages.full import FullStorage
 from kvcache.cli import main
 from kvcache.kernels import CHANNEL, RESIDUAL, TOKEN, PackedKeys, PackedValues
 from policy_util import check_storage, feed, feed_alone, ids_for, max_diff
@@ -504,3 +506,14 @@ def test_bad_storages_fail_before_any_buffer_is_allocated(llama, monkeypatch, na
 def test_unknown_policy_with_a_storage(llama):
     with pytest.raises(ValueError, match="unknown policy 'nope'"):
         kvcache.make_cache(llama, "nope:int8", cache_length=8)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_buffers_name_every_tensor_a_storage_holds(llama, name):
+    """Snapshots copy ``buffers()``: a tensor left out of it would not be saved or restored."""
+    cache = kvcache.make_cache(llama, f"h2o:{name}", cache_length=8, recent=2)
+    llama(ids_for(12), cache=cache)
+    storage = cache.layers[0].storage
+    held = {n for n, t in vars(storage).items() if isinstance(t, torch.Tensor)}
+    assert set(storage.buffers()) == held
+    assert storage.nbytes() == sum(t.numel() * t.element_size() for t in storage.buffers().values())

@@ -1,16 +1,8 @@
-"""Quantized slot buffers: keys and values kept as 8-, 4- or 2-bit codes with fp16 scales and
-zero points (codes.py), read by attention block by block (kernels/), never decoded whole.
-
-Two layouts (docs/policies/storage.md has the measurements behind them):
-
-``TokenStorage``  keys and values per token: each token's key (and value) for each K/V head is
-                  quantized on its own, in groups of ``group`` channels. Policies write, move and
-                  evict whole tokens, and a token's bits never depend on its neighbours.
-``KiviStorage``   KIVI: values per token as above; keys per channel over groups of ``group``
-                  consecutive slots, which share one scale and zero point per channel. Keys have
-                  a few large fixed-sign channels (after RoPE), which per-token scales spend
-                  their levels on; per-channel scales do not. The newest tokens of a group that
-                  is not yet full stay at full precision (the residual) until the group fills.
+"""``kivi<bits>[/<group>]``: KIVI. Values per token (as ``token``); keys per channel over groups
+of ``group`` consecutive slots (default 64), which share one scale and zero point per channel.
+Keys have a few large fixed-sign channels (after RoPE), which per-token scales spend their
+levels on; per-channel scales do not. The newest tokens of a group that is not yet full stay at
+full precision (the residual) until the group fills.
 
 Per-channel groups under eviction (``KiviStorage``): a group's scales are set once, when every
 slot of the group has received a token in slot order (dense and ring caches, and scoring caches
@@ -26,120 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from ..quant.packed import CHANNEL, RESIDUAL, TOKEN, PackedKeys, PackedValues
-from .base import CacheSpec
-from ..quant.codes import decode_tokens, encode_tokens, pack, quantize, unpack
-
-
-class TokenStorage:
-    """Keys and values per token: codes plus an fp16 scale and zero point per group of
-    ``group`` channels of each token and K/V head.
-
-    k, v:         (B, Hkv, C + 1, D * bits / 8) uint8 codes (packed, codes.py).
-    k_meta, v_meta: (B, Hkv, C + 1, 2 * D / group) fp16: the scales, then the zero points.
-    pos:          (B, Hp, C + 1) long, -1 for an empty slot (as in ``FullStorage``).
-    """
-
-    packed = True
-    # A chunk attends its new tokens exactly as they will be stored (``roundtrip``).
-    exact_roundtrip = True
-
-    def __init__(self, spec: CacheSpec, bits: int, per_head: bool = False, group: int | None = None) -> None:
-        B, H, C, D = spec.batch_size, spec.num_kv_heads, spec.cache_length, spec.head_dim
-        self.bits, self.group, self.dtype, self.head_dim = bits, D if group is None else group, spec.dtype, D
-        dev = spec.device
-        self.k = torch.zeros(B, H, C + 1, D * bits // 8, dtype=torch.uint8, device=dev)
-        self.v = torch.zeros_like(self.k)
-        self.k_meta = torch.zeros(B, H, C + 1, 2 * (D // self.group), dtype=torch.float16, device=dev)
-        self.v_meta = torch.zeros_like(self.k_meta)
-        self.pos = torch.full((B, H if per_head else 1, C + 1), -1, dtype=torch.long, device=dev)
-        # The last roundtrip's outputs with their codes (``_reuse``).
-        self._read_back = None
-
-    # ----- codes -------------------------------------------------------------------------------
-    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: (B, H, T, D) -> codes (B, H, T, D * bits / 8) uint8, meta (B, H, T, 2 * D / group) fp16."""
-        return encode_tokens(x, self.bits, self.group)
-
-    def decode(self, codes: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
-        """Inverse of ``encode``: (B, H, T, D) at the model's dtype."""
-        return decode_tokens(codes, meta, self.bits, self.dtype)
-
-    def roundtrip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v (B, Hkv, T, D) as attention reads them once stored. Storing what this returns
-        stores the codes computed here: quantizing a read-back value again need not reproduce
-        them (an fp16 zero point cannot always sit within half a step of a group's minimum)."""
-        kq, km = self.encode(k)
-        vq, vm = self.encode(v)
-        k, v = self.decode(kq, km), self.decode(vq, vm)
-        self._read_back = ((k, kq, km), (v, vq, vm))
-        return k, v
-
-    def _buffers(self) -> tuple[torch.Tensor, ...]:
-        return self.k, self.v, self.k_meta, self.v_meta
-
-    def _encoded(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The new tokens' (k codes, v codes, k meta, v meta), in the order of ``_buffers``."""
-        kq, km = self._reuse(k, 0) or self.encode(k)
-        vq, vm = self._reuse(v, 1) or self.encode(v)
-        return kq, vq, km, vm
-
-    def _reuse(self, x: torch.Tensor, which: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The codes of ``x`` if it is what the last ``roundtrip`` returned (a ring or a scoring
-        cache storing the chunk it attended), unmodified since."""
-        # The tuple holds y alive, so no other tensor can take its memory while it is kept. (A
-        # captured decode step stores a new token, never a read-back chunk.)
-        if torch.compiler.is_compiling() or self._read_back is None or self._read_back[which] is None:
-            return None
-        y, q, meta = self._read_back[which]
-        if (x.data_ptr(), x.shape, x.stride()) != (y.data_ptr(), y.shape, y.stride()):
-            return None
-        return q, meta
-
-    # ----- the Storage protocol ----------------------------------------------------------------
-    def write_slice(self, start: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
-        """Write k, v: (B, Hkv, T, D) at slots [start, start + T) of every row; positions: (B, T)."""
-        stop = start + k.shape[2]
-        for buf, new in zip(self._buffers(), self._encoded(k, v)):
-            buf[:, :, start:stop] = new
-        self.pos[:, :, start:stop] = positions.unsqueeze(1)
-
-    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
-        """Write token t of row b to slot ``slots[b, t]`` (shared by heads); positions: (B, T)."""
-        _scatter_tokens(self._buffers(), slots, self._encoded(k, v))
-        B, Hp, T = self.pos.shape[0], self.pos.shape[1], slots.shape[1]
-        self.pos.scatter_(2, slots.unsqueeze(1).expand(B, Hp, T), positions.unsqueeze(1).expand(B, Hp, T))
-
-    def settle(self, dst: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
-        """Move the token in the scratch slot to slot ``dst`` (B, Hp, 1) and empty the scratch
-        slot. Codes move as they are: a moved token is not re-quantized."""
-        _move_scratch(self._buffers(), dst)
-        C1 = self.pos.shape[2]
-        self.pos.scatter_(2, dst, positions.unsqueeze(1).expand_as(dst))
-        self.pos[:, :, C1 - 1] = -1
-
-    def keep(self, k, v, pos: torch.Tensor, index: torch.Tensor, stored: int = 0) -> None:
-        """Fill slots [0, C) with candidates ``index`` (B, Hp, C) of k, v (B, Hkv, N, D), pos
-        (B, Hp, N). Candidates [0, stored) are this storage's slots [0, stored) (their codes are
-        taken as they are); the rest are new tokens, encoded here."""
-        fresh = self._encoded(k[:, :, stored:], v[:, :, stored:])
-        for buf, new in zip(self._buffers(), fresh):
-            buf[:, :, : index.shape[-1]] = _gather_candidates(buf, new, stored, index)
-        self.pos[:, :, : index.shape[-1]] = pos.gather(2, index)
-
-    def view(self, span: int) -> tuple[PackedKeys, PackedValues, torch.Tensor]:
-        """The first ``span`` slots, packed (attention reads them block by block; anything else
-        decodes them on use): keys, values (B, Hkv, span, D) and pos (B, Hp, span)."""
-        keys = PackedKeys(self.k[:, :, :span], self.k_meta[:, :, :span], self.bits, self.head_dim, self.dtype)
-        values = PackedValues(self.v[:, :, :span], self.v_meta[:, :, :span], self.bits, self.head_dim, self.dtype)
-        return keys, values, self.pos[:, :, :span]
-
-    def reset(self) -> None:
-        self.pos.fill_(-1)
-        self._read_back = None
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self._buffers(), self.pos))
+from ...quant.codes import encode_tokens, pack, quantize, unpack
+from ...quant.packed import CHANNEL, RESIDUAL, TOKEN, PackedKeys, PackedValues
+from ..base import CacheSpec
+from .token import TokenStorage
 
 
 class KiviStorage(TokenStorage):
@@ -158,7 +40,26 @@ class KiviStorage(TokenStorage):
     res_start, fill: (B,) long, on the buffers' device (a decode step reads no host state).
     """
 
+    layout = "kivi"
     exact_roundtrip = False
+    # Slots per key group, when the name does not say.
+    default_group = 64
+
+    @staticmethod
+    def describe(bits: int) -> str:
+        return (f"KIVI, {bits}-bit: keys per channel over groups of {KiviStorage.default_group} slots (newest in "
+                "full precision until their group fills), values per token; fp16 scales")
+
+    @classmethod
+    def check(cls, name: str, bits: int, group: int | None, head_dim: int) -> None:
+        """Raise ValueError if ``bits`` and ``group`` cannot hold keys of ``head_dim`` channels (its group
+        counts slots, so any head size whose codes fill whole bytes works)."""
+        if head_dim * bits % 8:
+            raise ValueError(f"storage {name!r}: head_dim {head_dim} does not fill whole bytes of {bits}-bit codes")
+
+    @classmethod
+    def build(cls, spec: CacheSpec, bits: int, group: int | None, per_head: bool = False) -> KiviStorage:
+        return cls(spec, bits, per_head, group or cls.default_group)
 
     def __init__(self, spec: CacheSpec, bits: int, per_head: bool = False, group: int = 64) -> None:
         # Values stay per token over the whole head (no value group), as KIVI keeps them.
@@ -421,9 +322,10 @@ class KiviStorage(TokenStorage):
         self.fill.zero_()
         self._staged = None
 
-    def nbytes(self) -> int:
-        extra = (self.k_mode, self.k_channel, self.k_residual, self.v_residual, self.res_start, self.fill)
-        return super().nbytes() + sum(t.numel() * t.element_size() for t in extra)
+    def buffers(self) -> dict[str, torch.Tensor]:
+        return {**super().buffers(), "k_mode": self.k_mode, "k_channel": self.k_channel,
+                "k_residual": self.k_residual, "v_residual": self.v_residual, "res_start": self.res_start,
+                "fill": self.fill}
 
 
 class _Runs:
@@ -476,28 +378,3 @@ class _Runs:
     def last_pos(self, bs: torch.Tensor, rs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Position of the last token of runs (bs, rs): positions (B, T), CPU."""
         return positions[bs, self._last[bs, rs]]
-
-
-def _scatter_tokens(buffers, slots: torch.Tensor, new) -> None:
-    """Write token t of row b of each of ``new`` (B, H, T, n) to slot ``slots[b, t]`` of its buffer."""
-    B, T = slots.shape
-    for buf, x in zip(buffers, new):
-        buf.scatter_(2, slots[:, None, :, None].expand(B, buf.shape[1], T, buf.shape[-1]), x)
-
-
-def _move_scratch(buffers, dst: torch.Tensor) -> None:
-    """Copy each buffer's scratch slot (the last) to slot ``dst`` (B, Hp, 1) of every head."""
-    for buf in buffers:
-        B, H, C1 = buf.shape[:3]
-        index = dst.expand(B, H, 1).unsqueeze(-1).expand(B, H, 1, buf.shape[-1])
-        # A scatter may not read from the buffer it writes: copy the scratch slot first.
-        buf.scatter_(2, index, buf[:, :, C1 - 1 :].clone())
-
-
-def _gather_candidates(buf: torch.Tensor, new: torch.Tensor, stored: int, index: torch.Tensor) -> torch.Tensor:
-    """Candidates [0, stored) are ``buf``'s slots, the rest ``new`` (B, H, T, n): the ones ``index``
-    (B, Hp, C) picks, (B, H, C, n)."""
-    B, H = buf.shape[:2]
-    C = index.shape[-1]
-    cand = torch.cat((buf[:, :, :stored], new), dim=2)
-    return cand.gather(2, index.expand(B, H, C).unsqueeze(-1).expand(B, H, C, buf.shape[-1]))
