@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 import kvcache.hf
 from kvcache.hf import cache_kwargs
@@ -53,6 +54,13 @@ def test_generate_with_prefill_chunks_equals_dynamic_cache():
     want_ids, want_logits = greedy(build("qwen3"), ids, 16)
     model = build("qwen3")
     cache = kvcache.hf.make_cache(model, "dense", cache_length=46)
+    _, chunked_logits = greedy(build("qwen3"), ids, 16, transformers.DynamicCache(), prefill_chunk_size=8)
+    if max_diff(chunked_logits, want_logits) > ATOL:
+        # Some releases (5.2) rotate every prefill chunk at the last chunk's positions, so their own
+        # chunked prefill differs from the plain one: kvcache refuses those positions instead.
+        with pytest.raises(ValueError, match="position_ids of row 0 .* differ from the positions the cache gives"):
+            greedy(model, ids, 16, cache, prefill_chunk_size=8)
+        return
     got_ids, got_logits = greedy(model, ids, 16, cache, prefill_chunk_size=8)
     assert torch.equal(got_ids, want_ids)
     assert max_diff(got_logits, want_logits) <= ATOL
