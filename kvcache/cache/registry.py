@@ -69,6 +69,12 @@ def _lookup(policy: str) -> type[LayerCache]:
     return _POLICIES[policy]
 
 
+def policy_class(policy: str) -> type[LayerCache]:
+    """The layer cache class of ``policy`` (a name like ``sink`` or ``sink:int8``), for engines
+    that build layer caches of their own (kvcache.vllm); ValueError naming the available ones."""
+    return _lookup(parse_name(policy)[0])
+
+
 def policies() -> dict[str, str]:
     """Registered policy names with a one-line description each."""
     _discover()

@@ -1,0 +1,89 @@
+"""The plugin's configuration, ``additional_config={"kvcache": {...}}``, checked by kvcache itself.
+
+The object under ``"kvcache"`` names a policy, a ``cache_length`` (tokens per request) and the
+policy's options, with the names and types ``make_cache`` takes; they are checked by kvcache's own
+option machinery and by building the policy's layer cache, so a bad one fails at engine start
+with the message ``make_cache`` would give. ``block`` is vLLM's block size (the unit vLLM frees).
+This module does not import vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..cache.base import CacheSpec
+from ..cache.blocks import check_block
+from ..cache.options import build
+from ..cache.registry import parse_name, policy_class
+from ..cache.ring import RingCache
+
+# Policies whose kept blocks depend on positions alone, so that vLLM's scheduler (which frees
+# blocks) and its attention metadata (which skips them) decide alike from token counts.
+SUPPORTED = ("window", "sink")
+# make_cache arguments that are not the plugin's to take: vLLM decides batching and layouts.
+NOT_OPTIONS = ("batch_size", "prompt_length", "allocation", "head_budgets", "reserve")
+
+
+class ConfigError(ValueError):
+    """additional_config["kvcache"] is not a configuration kvcache accepts."""
+
+
+@dataclass(frozen=True)
+class PluginConfig:
+    """A checked configuration: the policy, its budget, its options as given (a hashable tuple,
+    since vLLM hashes the KV cache spec that carries it) and the block size."""
+
+    policy: str
+    cache_length: int
+    options: tuple[tuple[str, object], ...]
+    block: int
+
+    def layer(self) -> RingCache:
+        """kvcache's layer cache of this policy (one row, one head): its ``priority`` and
+        ``blocks.keep_whole_blocks`` are the rule both sides of vLLM apply (rule.py)."""
+        cls = policy_class(self.policy)
+        spec = CacheSpec(batch_size=1, num_kv_heads=1, head_dim=2, cache_length=self.cache_length,
+                         dtype=torch.float32, device=torch.device("cpu"), block=self.block)
+        return cls(spec, build(self.policy, cls.Options, dict(self.options)))
+
+
+def parse(raw: object, block: int) -> PluginConfig:
+    """Check ``raw`` (additional_config["kvcache"]) for vLLM's ``block`` size; ConfigError with
+    what is wrong and what to pass instead."""
+    try:
+        return _parse(raw, block)
+    except ValueError as e:
+        raise ConfigError(f"kvcache vLLM plugin, additional_config['kvcache']: {e}") from None
+
+
+def _parse(raw: object, block: int) -> PluginConfig:
+    if not isinstance(raw, dict):
+        raise ValueError(f'expected an object such as {{"policy": "sink", "cache_length": 1024, "sinks": 64}}, got {raw!r}')
+    given = dict(raw)
+    policy = given.pop("policy", None)
+    if not isinstance(policy, str):
+        raise ValueError(f"'policy' (a string, one of {', '.join(SUPPORTED)}) is required, got {policy!r}")
+    name, storage = parse_name(policy)
+    cls = policy_class(name)  # an unknown policy: kvcache's message, with the available ones
+    if storage != "full":
+        raise ValueError(f"{policy!r}: vLLM keeps keys and values in its own format; name the policy alone ({name!r})")
+    if name not in SUPPORTED:
+        raise ValueError(f"policy {name!r} is not supported in vLLM yet (supported: {', '.join(SUPPORTED)}); "
+                         "it runs in kvcache's own model (kvcache.make_cache)")
+    cache_length = given.pop("cache_length", None)
+    if isinstance(cache_length, bool) or not isinstance(cache_length, int) or cache_length <= 0:
+        raise ValueError(f"'cache_length' (a positive token count per request) is required, got {cache_length!r}")
+    for key in NOT_OPTIONS:
+        if key in given:
+            raise ValueError(f"{key!r} is not set through the plugin: vLLM schedules requests and lays out their blocks")
+    if given.pop("block", block) != block:
+        raise ValueError(f"block is vLLM's block size here ({block}): set it with vLLM's block_size, or leave block out")
+    if name == "sink":
+        # vLLM stores keys rotated at their true positions: sinks keep them.
+        given.setdefault("positions", "absolute")
+    config = PluginConfig(name, cache_length, tuple(sorted(given.items())), block)
+    check_block(block, name, cls.evicts, cache_length)
+    config.layer()  # the policy's own checks (room for the sinks, positions with blocks, ...)
+    return config
