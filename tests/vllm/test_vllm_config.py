@@ -1,0 +1,70 @@
+"""The plugin's configuration and block rule, without vLLM (kvcache.vllm.config and .rule do not
+import it): bad configurations fail with kvcache's messages, and the blocks the rule keeps, from
+token counts alone, are those kvcache's own cache keeps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvcache
+from kvcache.vllm.config import ConfigError, parse
+from kvcache.vllm.rule import BlockRule
+
+BLOCK = 32
+
+
+def test_a_good_configuration_is_kept_as_given():
+    config = parse({"policy": "sink", "cache_length": 1024, "sinks": 64}, BLOCK)
+    assert (config.policy, config.cache_length, config.block) == ("sink", 1024, BLOCK)
+    # vLLM stores keys at their true positions: sink positions default to absolute.
+    assert dict(config.options) == {"sinks": 64, "positions": "absolute"}
+    assert parse({"policy": "window", "cache_length": 64, "block": BLOCK}, BLOCK).options == ()
+
+
+@pytest.mark.parametrize("raw, message", [
+    ("sink", "expected an object such as"),
+    ({"cache_length": 64}, "'policy' .* is required"),
+    ({"policy": "nope", "cache_length": 64}, "unknown policy 'nope'; available: .*sink"),
+    ({"policy": "sink:int8", "cache_length": 64}, "'sink:int8': vLLM keeps keys and values in its own format; name the policy alone"),
+    ({"policy": "h2o", "cache_length": 64}, "policy 'h2o' is not supported in vLLM yet \\(supported: window, sink\\)"),
+    ({"policy": "window"}, "'cache_length' .* is required"),
+    ({"policy": "window", "cache_length": 0.5}, "'cache_length' .* got 0.5"),
+    ({"policy": "window", "cache_length": True}, "'cache_length' .* got True"),
+    ({"policy": "sink", "cache_length": 64, "sink": 4}, "policy 'sink' has no option 'sink'; valid options: sinks, positions"),
+    ({"policy": "sink", "cache_length": 64, "sinks": "4"}, "option 'sinks' of policy 'sink' must be int"),
+    ({"policy": "sink", "cache_length": 64, "positions": "shifted"}, "must be one of absolute, renumbered"),
+    ({"policy": "sink", "cache_length": 64, "positions": "renumbered"}, "positions='absolute'"),
+    ({"policy": "sink", "cache_length": 64, "sinks": 64}, "sinks \\(64\\) must be smaller than cache_length \\(64\\)"),
+    ({"policy": "window", "cache_length": 16}, "block=32 does not fit the window policy's smallest budget"),
+    ({"policy": "window", "cache_length": 64, "block": 16}, "block is vLLM's block size here \\(32\\)"),
+    ({"policy": "window", "cache_length": 64, "reserve": 8}, "'reserve' is not set through the plugin"),
+])
+def test_a_bad_configuration_says_what_is_wrong(raw, message):
+    with pytest.raises(ConfigError, match=r"kvcache vLLM plugin, additional_config\['kvcache'\]: .*" + message):
+        parse(raw, BLOCK)
+
+
+@pytest.mark.parametrize("raw", [
+    {"policy": "window", "cache_length": 64},
+    {"policy": "sink", "cache_length": 96, "sinks": 32},
+    {"policy": "sink", "cache_length": 100, "sinks": 20},  # neither a multiple of the block
+])
+def test_rule_keeps_the_blocks_kvcache_keeps(llama, raw):
+    """A prompt in one call, then one token per call through kvcache's cache with block=BLOCK:
+    after each call the rule, given the token count alone, names the blocks the cache holds."""
+    config = parse(raw, BLOCK)
+    rule = BlockRule(config)
+    options = dict(config.options)
+    cache = kvcache.make_cache(llama, config.policy, cache_length=config.cache_length, block=BLOCK, **options)
+    ids = torch.randint(3, 100, (1, 300), generator=torch.Generator().manual_seed(0))
+    prompt = 130
+    llama(ids[:, :prompt], cache)
+    for n in range(prompt, 300):
+        if n > prompt:
+            llama(ids[:, n - 1 : n], cache)
+        layer = cache.layers[0]
+        pos = layer.storage.pos[0, 0, : layer.spec.cache_length]
+        held = sorted({int(p) // BLOCK for p in pos[pos >= 0]})
+        assert list(rule.kept_blocks(n)) == held, f"after {n} tokens"
+    assert rule.kept_blocks(50) == (0, 1)  # within the budget nothing is evicted

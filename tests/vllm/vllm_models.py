@@ -1,0 +1,86 @@
+"""Tiny random checkpoints and kvcache's own greedy tokens for the kvcache.vllm tests.
+
+vLLM's CPU attention kernel takes head sizes of 32 and more and blocks that are multiples of 32,
+so these models are wider than conftest's. Not a conftest: ``tests/conftest.py`` is imported as
+the module ``conftest``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+import kvcache
+
+VOCAB = 128
+BLOCK = 32  # vLLM's block size in these tests, and kvcache's block= to compare with
+# Prompts of several lengths: shorter than the budget, and several blocks longer than it.
+PROMPT_LENGTHS = (40, 100, 150, 230)
+NEW_TOKENS = 40
+# Each policy with options that evict within the prompts above.
+POLICIES = {
+    "window": {"policy": "window", "cache_length": 64},
+    "sink": {"policy": "sink", "cache_length": 96, "sinks": 32},
+}
+
+
+def build(name: str, path: Path) -> Path:
+    """Save a tiny random ``name`` ("llama", "qwen2" or "qwen3") model into ``path``: fp32, two
+    layers, 4 query and 2 K/V heads of size 32; queries and keys scaled up so that attention is
+    peaked and what a policy evicts shows in the tokens."""
+    import transformers
+
+    common = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                  rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    configs = {
+        "llama": lambda: transformers.LlamaConfig(**common),
+        "qwen2": lambda: transformers.Qwen2Config(**common),
+        "qwen3": lambda: transformers.Qwen3Config(**common, head_dim=32),
+    }
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(configs[name](), dtype=torch.float32)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight"):
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+            elif pname.endswith("bias"):
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+            elif "embed_tokens" in pname:
+                p.copy_(torch.randn(p.shape, generator=gen))
+            else:
+                scale = 2.0 if pname.endswith(("q_proj.weight", "k_proj.weight")) else 1.0
+                p.copy_(scale * torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+    model.save_pretrained(path)
+    return path
+
+
+def prompts(seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+
+
+def kvcache_tokens(path: Path, config: dict | None, prompt_ids: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Greedy tokens of kvcache's own model for each prompt alone: the prompt in one call, then
+    one token per call, through ``config``'s policy with block=BLOCK (a dense cache for None)."""
+    model = kvcache.load(path)
+    out = []
+    with torch.no_grad():
+        for ids in prompt_ids:
+            if config is None:
+                cache = kvcache.make_cache(model, "dense", cache_length=len(ids) + new_tokens)
+            else:
+                options = {k: v for k, v in config.items() if k not in ("policy", "cache_length")}
+                if config["policy"] == "sink":
+                    options.setdefault("positions", "absolute")
+                cache = kvcache.make_cache(model, config["policy"], cache_length=config["cache_length"],
+                                           block=BLOCK, **options)
+            logits = model(torch.tensor([ids]), cache)
+            tokens = []
+            for _ in range(new_tokens):
+                tokens.append(int(logits[0, -1].argmax()))
+                logits = model(torch.tensor([[tokens[-1]]]), cache)
+            out.append(tokens)
+    return out
