@@ -171,6 +171,10 @@ class EvictingCache(LayerCache):
         self.held = held + step.n_tokens
         span = int(self.held.max())
         ks, vs, pos = store.view(span)
+        if step.num_tokens > 1 and store.packed and store.exact_roundtrip:
+            # A chunk attends decoded slots at the cost of full-precision attention: the same
+            # numbers as reading the codes, since a token's bits do not depend on its slot.
+            ks, vs = ks.decoded(), vs.decoded()
         observe = self.needs_attention and self.observe_every_step
         if step.decode and self._window() is None and self.spec.window is None:
             # Every held slot is in the past: only the empty ones of shorter rows are hidden, and
@@ -253,7 +257,11 @@ class EvictingCache(LayerCache):
             name: torch.cat((s[:, :, :stored], s.new_zeros(s.shape[0], Hp, k.shape[2])), dim=2)
             for name, s in self.stat.items()
         }
-        out, mass, seen = self._attend(q, cand_k, cand_v, step.positions, cand_pos, step,
+        # The chunk attends the kept slots decoded (what reading their codes gives, at the cost of
+        # full-precision attention); the candidates stay packed, so that ``keep`` moves the kept
+        # slots' codes as they are and stores the chunk's as ``roundtrip`` computed them.
+        att_k, att_v = (cand_k.decoded(), cand_v.decoded()) if stored and store.packed else (cand_k, cand_v)
+        out, mass, seen = self._attend(q, att_k, att_v, step.positions, cand_pos, step,
                                        self._sink_queries(q, step))
         c = Candidates(cand_k, cand_v, cand_pos, stat, q, step)
         self._observe(c, mass, seen)

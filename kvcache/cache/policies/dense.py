@@ -30,18 +30,27 @@ class DenseCache(LayerCache):
         if step.static:
             return self.decode_static(q, k, v, step)
         T = step.num_tokens
+        store = self.storage
+        # Where a token's bits do not depend on where or when it is stored (``exact_roundtrip``),
+        # a chunk attends the bits the cache keeps as plain tensors, at the cost of dense
+        # attention: its own tokens read back from their codes (stored as those codes), the
+        # stored slots decoded. Every later step reads the same numbers from the slots, so the
+        # result does not depend on how the sequence is chunked. (KIVI keys change layout as
+        # their group fills, and each query reads them as they were at its position: such a
+        # chunk is read from its slots like any later step.)
+        readback = store.exact_roundtrip and (T > 1 or not store.packed)
+        if readback:
+            k, v = store.roundtrip(k, v)  # storing them below stores the codes computed here
         if step.uniform:
-            self.storage.write_slice(step.start0, k, v, step.positions)
+            store.write_slice(step.start0, k, v, step.positions)
         else:
-            self.storage.write(step.append_slot, k, v, step.positions)
-        if step.fresh and not self.storage.packed:
-            # Attend over the bits the cache keeps, as every later step will: the result then
-            # does not depend on how the sequence is chunked, whatever the storage. (A packed
-            # storage is read from its slots like any later step: KIVI keys change layout as
-            # their group fills, and each query reads them as they were at its position.)
-            return attention.causal(q, *self.storage.roundtrip(k, v), window=self.spec.window)
+            store.write(step.append_slot, k, v, step.positions)
+        if step.fresh and readback:
+            return attention.causal(q, k, v, window=self.spec.window)
         span = step.span_end
-        ks, vs, pos = self.storage.view(span)
+        ks, vs, pos = store.view(span)
+        if readback and store.packed:
+            ks, vs = ks.decoded(), vs.decoded()
         # A one-token step over a uniformly filled cache sees every slot, unless a model window cuts it.
         all_visible = step.uniform and T == 1 and (self.spec.window is None or span <= self.spec.window)
         return attention.masked(q, ks, vs, step.positions, pos, window=self.spec.window, all_visible=all_visible)
