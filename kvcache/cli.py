@@ -268,19 +268,45 @@ def _add_generate(commands) -> None:
 
 
 def _add_eval(commands) -> None:
-    ev = commands.add_parser("eval", help="quality of policies against dense (perplexity, agreement, passkey)")
+    ev = commands.add_parser(
+        "eval", help="quality of policies against dense: RULER (offline), your dataset, or perplexity and passkey",
+        description="--benchmark passkey (default): streaming perplexity, agreement and passkey retrieval. "
+                    "--benchmark ruler: RULER's 13 tasks generated offline at --lengths tokens, kvpress's protocol "
+                    "(--ratios, query-agnostic and query-aware). --dataset FILE.jsonl: your own tasks. RULER and "
+                    "dataset sweeps write each cell to --out as it finishes; rerunning resumes. See docs/eval.md.",
+        allow_abbrev=False)
+    ev.add_argument("--benchmark", choices=("passkey", "ruler", "dataset"),
+                    help="what to run (default: dataset with --dataset, else passkey)")
     ev.add_argument("--model", metavar="DIR", help="checkpoint directory (default: bundled)")
     ev.add_argument("--texts", metavar="DIR",
-                    help="held-out .txt files for streaming and passkey filler (default: the ones packaged in "
-                         "kvcache/data/texts)")
+                    help="held-out .txt files for streaming, passkey filler and RULER's essay haystack (default: the "
+                         "ones packaged in kvcache/data/texts)")
     ev.add_argument("--policies", type=_list(str), metavar="A,B", help="comma-separated (default: all)")
-    ev.add_argument("--budgets", type=_list(float), metavar="F,F", help="fractions of the context (default: 0.125,0.25,0.5)")
-    ev.add_argument("--lengths", type=_list(int), metavar="N,N", help="passkey context lengths (default: 512,1024,2048)")
+    ev.add_argument("--budgets", type=_list(float), metavar="F,F",
+                    help="fractions of the context KEPT (passkey default: 0.125,0.25,0.5)")
+    ev.add_argument("--ratios", type=_list(float), metavar="F,F",
+                    help="ruler/dataset: fractions of the context REMOVED, as kvpress counts them "
+                         "(default: 0.25,0.5,0.75); or give --budgets")
+    ev.add_argument("--lengths", type=_list(int), metavar="N,N",
+                    help="context lengths in tokens (passkey default: 512,1024,2048; ruler: 4096)")
+    ev.add_argument("--tasks", type=_list(str), metavar="A,B", help="ruler/dataset tasks (default: all)")
+    ev.add_argument("--protocols", type=_list(str), metavar="A,B",
+                    help="query_agnostic (the context is compressed before the question), query_aware (with it); "
+                         "default both")
+    ev.add_argument("--samples", type=_int_at_least(1), metavar="N", help="ruler/dataset samples per task (default: 5)")
+    ev.add_argument("--seed", type=int, metavar="N", help="ruler: prompts are a function of the seed (default: 0)")
+    ev.add_argument("--dataset", metavar="FILE.jsonl",
+                    help="JSON lines with context, question, answers (optional max_new_tokens, answer_prefix, task, "
+                         "metric); with --benchmark ruler it feeds qa_1/qa_2")
+    ev.add_argument("--metric", choices=("string_match_all", "string_match_part", "exact_match", "f1"),
+                    help="score every sample by this metric (default: the task's own)")
+    ev.add_argument("--chat", action="store_true", help="wrap prompts in the checkpoint's chat template")
     ev.add_argument("--depths", type=_list(float), metavar="D,D", help="needle depths in [0, 1] (default: 0,0.25,0.5,0.75,1)")
     ev.add_argument("--trials", type=_int_at_least(1), metavar="N", help="passkeys per cell (default: 4)")
     ev.add_argument("--stream-tokens", type=_int_at_least(2), metavar="N", help="held-out tokens for streaming (default: 2048)")
     ev.add_argument("--out", default=DEFAULT_EVAL_OUT, metavar="DIR",
-                    help=f"where report.json, report.md and the PNG plots go (default: ./{DEFAULT_EVAL_OUT})")
+                    help=f"directory for report.json, report.md and the PNG plots (default: ./{DEFAULT_EVAL_OUT}); "
+                         "a ruler/dataset sweep keeps finished cells there and resumes")
     ev.add_argument("--no-plots", action="store_true", help="write the JSON and Markdown reports only (no matplotlib)")
     ev.add_argument("--threads", type=_int_at_least(1), metavar="N", help=THREADS_HELP)
     ev.add_argument("--quick", action="store_true", help="a smoke run of well under a minute")
@@ -626,38 +652,13 @@ def _require_matplotlib() -> None:
 
 
 def _eval(args: argparse.Namespace) -> None:
-    from .evaluate import Grid, evaluate, markdown
-    from .tasks import read_texts
+    from .eval.command import out_dir, run
 
     _set_threads(args.threads)
+    out = out_dir(args.out)  # before anything is loaded: a bad --out fails at once
     if not args.no_plots:
         _require_matplotlib()
-    grid = Grid()
-    if args.quick:
-        grid = Grid(policies=["dense", "window", "sink", "h2o"], budgets=[0.25], lengths=[256],
-                    depths=[0.0, 0.5, 1.0], trials=1, stream_tokens=256)
-    overrides = {k: getattr(args, k) for k in ("policies", "budgets", "lengths", "depths", "trials",
-                                               "stream_tokens") if getattr(args, k) is not None}
-    grid = Grid(**{**grid.__dict__, **overrides})
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    print(f"kvcache eval: writing the report to {out}/ (--out DIR to change)", file=sys.stderr)
-    tokenizer = load_tokenizer(args.model)
-    model = load(args.model, dtype=torch.float32)
-    stream = read_texts(args.texts, tokenizer)
-    report = evaluate(model, tokenizer, stream, stream, grid, progress=sys.stderr.isatty())
-    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    table = markdown(report)
-    (out / "report.md").write_text(table)
-    written = ["report.json", "report.md"]
-    if not args.no_plots:
-        from . import plots
-
-        plots.quality_vs_budget(report, out / "quality_vs_budget.png")
-        plots.passkey_heatmaps(report, out / "passkey_heatmap.png", budget=min(grid.budgets))
-        written += ["quality_vs_budget.png", "passkey_heatmap.png"]
-    print(table, end="")
-    print(f"wrote {out}/: {', '.join(written)}", file=sys.stderr)
+    run(args, out, progress=sys.stderr.isatty())
 
 
 # --- kvcache policies ---

@@ -23,7 +23,8 @@ from .cache.registry import policies as registered_policies
 from .generate import generate
 from .tasks import PASSKEY_QUESTION, TaskMaker
 
-PROTOCOLS = ("query_aware", "query_agnostic")
+# The order of protocols everywhere (reports, plots): the context compressed first, then with the question.
+PROTOCOLS = ("query_agnostic", "query_aware")
 
 
 @dataclass
@@ -121,11 +122,16 @@ def evaluate(model, tokenizer, filler: torch.Tensor, held_out: torch.Tensor, gri
 
 
 def markdown(report: dict) -> str:
-    """One table: per policy and budget, streaming quality and mean passkey accuracy per protocol."""
-    protocols = sorted({r["protocol"] for r in report["passkey"]})
+    """A header naming the model, lengths and trials (``report["header"]``, when there), then one
+    table: per policy and budget, streaming quality and mean passkey accuracy per protocol."""
+    protocols = [p for p in PROTOCOLS if any(r["protocol"] == p for r in report["passkey"])]
+    lines = []
+    if "header" in report:
+        lines += ["# kvcache eval: streaming perplexity and passkey retrieval", ""]
+        lines += [f"- {name}: {value}" for name, value in report["header"].items()] + [""]
     head = "| policy | budget | perplexity | top-1 agreement | KL | " + " | ".join(
-        f"passkey {p}" for p in protocols) + " |"
-    lines = [head, "|" + "---|" * (5 + len(protocols))]
+        f"passkey {p.replace('_', '-')}" for p in protocols) + " |"
+    lines += [head, "|" + "---|" * (5 + len(protocols))]
     for s in report["streaming"]:
         accs = []
         for p in protocols:

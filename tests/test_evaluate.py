@@ -175,4 +175,4 @@ def test_cli_eval_quick(setup, tmp_path, capsys):
     assert "| dense | 1 |" in capsys.readouterr().out
     report = json.loads((out / "report.json").read_text())
     assert {s["policy"] for s in report["streaming"]} == {"dense", "window", "sink", "h2o"}
-    assert (out / "quality_vs_budget.png").exists() and (out / "passkey_heatmap.png").exists()
+    assert (out / "quality_vs_budget.png").exists() and (out / "passkey_heatmap_budget-0.25.png").exists()

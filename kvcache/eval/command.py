@@ -1,0 +1,164 @@
+"""What ``kvcache eval`` does once its flags are parsed.
+
+    passkey   the streaming perplexity / agreement / passkey grid of kvcache/evaluate.py, one
+              report written at the end.
+    ruler     RULER's tasks at ``--lengths`` tokens, every (policy, ratio, task, length,
+              protocol) cell written to ``OUT/cells/`` as it finishes (sweep.py); a rerun resumes.
+    dataset   the tasks of a JSON-lines file (dataset.py), swept the same way.
+Both sweeps end with report.json, report.md (the leaderboard) and, unless ``--no-plots``, the
+score-against-ratio plot and one task x policy heatmap per ratio.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import BUNDLED_MODEL, load, load_tokenizer
+from . import dataset as ds
+from . import leaderboard, ruler, sweep
+from .cell import PROTOCOLS, Bench
+
+DEFAULT_RATIOS = (0.25, 0.5, 0.75)
+DEFAULT_RULER_LENGTHS = (4096,)
+DEFAULT_SAMPLES = 5
+
+
+def out_dir(path: str) -> Path:
+    """``--out`` as a usable directory (created if new), or a ValueError saying what to pass."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {path} exists and is not a directory; pass a new directory, or the directory of "
+                         "an earlier kvcache eval run to resume it")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out {path}: cannot create the directory ({e.strerror}); pass a writable directory") from None
+    return out
+
+
+def benchmark(args) -> str:
+    if args.benchmark is not None:
+        if args.benchmark == "passkey" and args.dataset is not None:
+            raise ValueError("--dataset applies to --benchmark dataset or ruler, not passkey")
+        return args.benchmark
+    return "dataset" if args.dataset is not None else "passkey"
+
+
+def run(args, out: Path, progress: bool) -> None:
+    kind = benchmark(args)
+    sweep_only = ("ratios", "tasks", "protocols", "samples", "seed", "metric")
+    if kind == "passkey":
+        given = [f"--{k}" for k in sweep_only if getattr(args, k) not in (None, False)] + (["--chat"] if args.chat else [])
+        if given:
+            raise ValueError(f"{', '.join(given)} apply to --benchmark ruler or dataset, not passkey")
+        return _passkey(args, out, progress)
+    given = [f"--{k.replace('_', '-')}" for k in ("depths", "trials", "stream_tokens") if getattr(args, k) is not None]
+    if given:
+        raise ValueError(f"{', '.join(given)} apply to --benchmark passkey only")
+    return _sweep(args, kind, out, progress)
+
+
+def _ratios(args) -> list[float]:
+    if args.ratios is not None and args.budgets is not None:
+        raise ValueError("give --ratios (the fraction removed) or --budgets (the fraction kept), not both")
+    if args.budgets is not None:
+        if not all(0 < b <= 1 for b in args.budgets):
+            raise ValueError(f"--budgets are fractions of the context kept, in (0, 1], got {args.budgets}")
+        return [round(1 - b, 6) for b in args.budgets]
+    ratios = list(args.ratios) if args.ratios is not None else list(DEFAULT_RATIOS)
+    if not all(0 <= r < 1 for r in ratios) or not ratios:
+        raise ValueError(f"--ratios are fractions of the context removed, in [0, 1), got {ratios}")
+    return ratios
+
+
+def _sweep(args, kind: str, out: Path, progress: bool) -> None:
+    from ..cache.registry import policies as registered
+
+    bench = Bench.make(kind, texts=args.texts, dataset=args.dataset, metric=args.metric, chat=args.chat)
+    ratios = _ratios(args)
+    protocols = args.protocols or list(PROTOCOLS)
+    bad = [p for p in protocols if p not in PROTOCOLS]
+    if bad:
+        raise ValueError(f"unknown protocol(s) {', '.join(bad)}; available: {', '.join(PROTOCOLS)}")
+    if kind == "ruler":
+        tasks = args.tasks or list(ruler.TASKS)
+        unknown = [t for t in tasks if t not in ruler.TASKS]
+        if unknown:
+            raise ValueError(f"unknown RULER task(s) {', '.join(unknown)}; the tasks are {', '.join(ruler.TASKS)}")
+        lengths = args.lengths or list(DEFAULT_RULER_LENGTHS)
+    else:
+        found = ds.tasks(args.dataset)
+        tasks = args.tasks or found
+        unknown = [t for t in tasks if t not in found]
+        if unknown:
+            raise ValueError(f"task(s) {', '.join(unknown)} not in {args.dataset}, whose tasks are {', '.join(found)}")
+        lengths = [0]  # a dataset's prompts are as long as they are
+    policies = args.policies or sorted(registered(), key=lambda name: name != "dense")
+    unknown = [p for p in policies if p.partition(":")[0] not in registered()]
+    if unknown:
+        raise ValueError(f"unknown policy(ies) {', '.join(unknown)}; available: {', '.join(registered())}")
+    samples = args.samples or DEFAULT_SAMPLES
+    if args.quick:
+        tasks, lengths, samples = tasks[:2], [0] if kind == "dataset" else [1024], 1
+        policies, ratios = [p for p in policies if p in ("dense", "h2o")] or policies[:2], ratios[:1]
+    cells = sweep.plan(policies, ratios, tasks, lengths, protocols, samples, args.seed or 0)
+    model_name = args.model or f"bundled ({BUNDLED_MODEL.name})"
+    tokenizer = load_tokenizer(args.model)
+    model = load(args.model, dtype=torch.float32)
+    done = len(cells) - len(sweep.pending(cells, bench, out))
+    print(f"kvcache eval: {len(cells)} cells ({done} already in {out}/cells), writing to {out}/", file=sys.stderr)
+    results = sweep.run(model, tokenizer, cells, bench, out, progress=progress)
+    header = {"benchmark": kind, "model": model_name, "lengths": ", ".join(map(str, lengths)) if kind == "ruler"
+              else "as in the dataset", "samples per task": samples, "seed": args.seed or 0,
+              "protocols": ", ".join(protocols), "ratios (fraction removed)": ", ".join(f"{r:g}" for r in ratios),
+              "chat template": "yes" if args.chat else "no"}
+    if kind == "dataset" or args.dataset:
+        header["dataset"] = args.dataset
+    table = leaderboard.markdown(results, header)
+    (out / "report.json").write_text(json.dumps({"header": header, "results": results}, indent=1) + "\n")
+    (out / "report.md").write_text(table)
+    written = ["report.json", "report.md"]
+    if not args.no_plots:
+        from .. import plots
+
+        data = leaderboard.table(results)
+        written += plots.sweep_plots(data, leaderboard.task_order(results), header, out)
+    print(table, end="")
+    print(f"wrote {out}/: {', '.join(written)}", file=sys.stderr)
+
+
+def _passkey(args, out: Path, progress: bool) -> None:
+    from ..evaluate import Grid, evaluate, markdown
+    from ..tasks import read_texts
+
+    grid = Grid()
+    if args.quick:
+        grid = Grid(policies=["dense", "window", "sink", "h2o"], budgets=[0.25], lengths=[256],
+                    depths=[0.0, 0.5, 1.0], trials=1, stream_tokens=256)
+    overrides = {k: getattr(args, k) for k in ("policies", "budgets", "lengths", "depths", "trials",
+                                               "stream_tokens") if getattr(args, k) is not None}
+    grid = Grid(**{**grid.__dict__, **overrides})
+    print(f"kvcache eval: writing the report to {out}/ (--out DIR to change)", file=sys.stderr)
+    tokenizer = load_tokenizer(args.model)
+    model = load(args.model, dtype=torch.float32)
+    stream = read_texts(args.texts, tokenizer)
+    report = evaluate(model, tokenizer, stream, stream, grid, progress=progress)
+    report["header"] = {"model": args.model or f"bundled ({BUNDLED_MODEL.name})",
+                        "lengths": ", ".join(map(str, grid.lengths)), "trials": grid.trials,
+                        "depths": ", ".join(f"{d:g}" for d in grid.depths),
+                        "budgets (fraction kept)": ", ".join(f"{b:g}" for b in grid.budgets),
+                        "streaming tokens": grid.stream_tokens}
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    table = markdown(report)
+    (out / "report.md").write_text(table)
+    written = ["report.json", "report.md"]
+    if not args.no_plots:
+        from .. import plots
+
+        written += plots.passkey_plots(report, out)
+    print(table, end="")
+    print(f"wrote {out}/: {', '.join(written)}", file=sys.stderr)

@@ -1,0 +1,108 @@
+"""Cells and the sweep driver: kvpress's protocol on a tiny model, scores in [0, 100], and
+resumption that recomputes no finished cell."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import kvcache
+from kvcache.eval import leaderboard, sweep
+from kvcache.eval.cell import Bench, Cell, make_cell_cache, run_cell
+from kvcache.eval.sample import encode
+
+BENCH = Bench.make("ruler")
+
+
+def grid(samples=1):
+    return sweep.plan(["dense", "h2o", "window"], [0.5], ["niah_single_1", "qa_1"], [512],
+                      ["query_agnostic", "query_aware"], samples=samples, seed=0)
+
+
+def test_plan_runs_dense_once_per_task_and_length():
+    cells = grid()
+    assert sum(c.policy == "dense" for c in cells) == 2
+    assert all(c.ratio == 0 for c in cells if c.policy == "dense")
+    assert len(cells) == 2 * (1 + 2 * 2)
+    assert len({c.key(BENCH) for c in cells}) == len(cells)
+
+
+def test_a_cell_key_changes_with_every_setting():
+    cell = Cell("h2o", 0.5, "vt", 1024, "query_agnostic", 3, 0)
+    others = [Cell("h2o", 0.25, "vt", 1024, "query_agnostic", 3, 0), Cell("h2o", 0.5, "vt", 1024, "query_aware", 3, 0),
+              Cell("h2o", 0.5, "vt", 1024, "query_agnostic", 4, 0), Cell("h2o", 0.5, "vt", 1024, "query_agnostic", 3, 1)]
+    keys = {cell.key(BENCH)} | {c.key(BENCH) for c in others} | {cell.key(Bench.make("ruler", chat=True))}
+    assert len(keys) == 6
+
+
+@pytest.mark.parametrize("ratio, protocol", [(0.5, "query_agnostic"), (0.75, "query_aware")])
+def test_the_cache_keeps_kvpress_count_of_the_compressed_part(tiny, tokenizer, ratio, protocol):
+    from kvcache.eval import ruler
+
+    sample = ruler.make("niah_single_1", tokenizer, 512)
+    enc = encode(tokenizer, sample)
+    first = len(enc.context) + (len(enc.question) if protocol == "query_aware" else 0)
+    total = len(enc) + sample.max_new_tokens
+    cache = make_cell_cache(tiny, "h2o", ratio, first, total)
+    with torch.inference_mode():
+        tiny(torch.tensor([enc.ids[:first]]), cache, last_only=True)
+    kept = int(first * (1 - ratio))
+    assert [int(layer.held[0]) for layer in cache.layers] == [kept] * len(cache.layers)
+    # The rest is appended without evicting: the cache grows by exactly the tokens that follow.
+    with torch.inference_mode():
+        tiny(torch.tensor([enc.ids[first:]]), cache, last_only=True)
+    assert int(cache.layers[0].held[0]) == kept + len(enc) - first
+
+
+def test_dense_cell_equals_a_plain_generate(tiny, tokenizer):
+    from kvcache.eval import ruler
+
+    result = run_cell(tiny, tokenizer, Cell("dense", 0.0, "niah_single_1", 512, "query_agnostic", 1), BENCH)
+    sample = ruler.make("niah_single_1", tokenizer, 512)
+    plain = kvcache.generate(tiny, encode(tokenizer, sample).ids, max_new_tokens=sample.max_new_tokens)
+    assert result["samples"][0]["prediction"] == tokenizer.decode(plain)
+    assert 0.0 <= result["score"] <= 100.0
+
+
+def test_a_resumed_sweep_recomputes_no_finished_cell(tiny, tokenizer, tmp_path):
+    cells = grid()
+    ran = []
+
+    def counting(model, tok, cell, bench):
+        ran.append(cell)
+        if len(ran) == 4:
+            raise KeyboardInterrupt  # the sweep is interrupted in its fourth cell
+        return run_cell(model, tok, cell, bench)
+
+    with pytest.raises(KeyboardInterrupt):
+        sweep.run(tiny, tokenizer, cells, BENCH, tmp_path, runner=counting, progress=False)
+    files = sorted((tmp_path / sweep.CELLS).iterdir())
+    assert len(files) == 3 and all(f.suffix == ".json" and not f.name.startswith(".tmp") for f in files)
+    before = {f.name: f.read_text() for f in files}
+
+    ran.clear()
+    results = sweep.run(tiny, tokenizer, cells, BENCH, tmp_path, runner=lambda *a: ran.append(a[2]) or run_cell(*a),
+                        progress=False)
+    assert ran == cells[3:]  # only the unfinished cells, in order
+    assert {f.name: f.read_text() for f in (tmp_path / sweep.CELLS).iterdir() if f.name in before} == before
+    assert len(results) == len(cells)
+
+    ran.clear()
+    again = sweep.run(tiny, tokenizer, cells, BENCH, tmp_path, runner=lambda *a: ran.append(a[2]) or run_cell(*a),
+                      progress=False)
+    assert ran == [] and again == results
+
+
+def test_results_scores_and_leaderboard(tiny, tokenizer, tmp_path):
+    results = sweep.run(tiny, tokenizer, grid(), BENCH, tmp_path, progress=False)
+    ran = [r for r in results if not r["skipped"]]
+    assert {r["cell"]["task"] for r in ran} == {"niah_single_1"}
+    assert all(0.0 <= r["score"] <= 100.0 for r in ran)
+    assert all(r["cell"]["task"] == "qa_1" and "--dataset" in r["skipped"] for r in results if r["skipped"])
+    json.dumps(results)  # JSON-able, as a remote runner must return
+    table = leaderboard.markdown(results, {"model": "tiny", "lengths": "512"})
+    assert "- model: tiny" in table and "skipped qa_1" in table
+    assert table.index("## query-agnostic") < table.index("## query-aware")
+    assert "| h2o | 0.5 |" in table and "| dense | 0 |" in table
