@@ -1,0 +1,62 @@
+"""random: evict tokens at random (kvpress's RandomPress), the baseline every policy should beat.
+
+Each call draws one uniform score per candidate from a generator seeded with ``seed`` (on the
+CPU, as kvpress draws them), in position order over the tokens that compete, so that a prompt
+compressed once keeps exactly the tokens kvpress's press keeps for the same seed. Every layer
+and call draws the same sequence, as kvpress's press does. Options:
+    seed     the generator's seed.
+    recent   newest tokens always kept.
+    sinks    first tokens always kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..base import CacheSpec
+from ..candidates import Candidates
+from ..evicting import PROTECTED, EvictingCache, require_room
+from ..options import option
+
+
+@dataclass(frozen=True)
+class RandomOptions:
+    seed: int = option(0, "seed of the scores' generator")
+    recent: int = option(0, "newest tokens always kept")
+    sinks: int = option(0, "first tokens always kept")
+
+    def __post_init__(self) -> None:
+        if self.recent < 0 or self.sinks < 0:
+            raise ValueError(f"recent and sinks must be >= 0, got {self.recent}, {self.sinks}")
+
+
+class RandomCache(EvictingCache):
+    name = "random"
+    description = "evict at random (RandomPress, seeded), per row and K/V head: the baseline"
+    Options = RandomOptions
+    per_head = True
+
+    def __init__(self, spec: CacheSpec, options: RandomOptions) -> None:
+        require_room(spec, "recent + sinks", options.recent + options.sinks)
+        super().__init__(spec, options)
+
+    def priority(self, c: Candidates) -> torch.Tensor:
+        B, H, N = c.keys.shape[:3]
+        pos = c.positions.expand(B, H, N)
+        score = torch.zeros(B, H, N)
+        for b in range(B):
+            # Each row draws from its own freshly seeded generator, one score per non-empty
+            # candidate in position order (empty slots, position -1, sort first and score 0), so
+            # a row ranks as it would alone and a prompt as kvpress's k-th token does.
+            order = pos[b].argsort(dim=-1, stable=True).cpu()  # (H, N)
+            filled = int((pos[b, 0] >= 0).sum())
+            generator = torch.Generator().manual_seed(self.options.seed)
+            drawn = torch.rand(H, filled, generator=generator, dtype=c.keys.dtype).float()
+            score[b].scatter_(1, order[:, N - filled:], drawn)
+        score = score.to(c.keys.device)
+        protected = c.positions > c.newest - self.options.recent
+        if self.options.sinks:
+            protected |= c.positions < self.options.sinks
+        return score.masked_fill(protected, PROTECTED)
