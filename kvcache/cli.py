@@ -350,6 +350,14 @@ def _add_finetune(commands) -> None:
                           help="module names that get adapters (default: q_proj,k_proj,v_proj,o_proj)")
     training.add_argument("--merge-lora", action="store_true",
                           help="merge the adapters into the weights and write a full checkpoint")
+    training.add_argument("--offload-kv", action="store_true",
+                          help="keep the recorded keys and values, the memory that grows with --seq-len, in CPU memory")
+    parallel = ft.add_argument_group("data parallelism (launch with torchrun --nproc-per-node N -m kvcache finetune ...)")
+    parallel.add_argument("--shard", choices=("ddp", "fsdp"),
+                          help="split each --batch-size rows over the ranks: ddp (every rank holds the model) or "
+                               "fsdp (FSDP2: each rank holds 1/N of the weights, gradients and optimizer state)")
+    parallel.add_argument("--dist-timeout", type=_number, default=600.0, metavar="S",
+                          help="seconds a rank waits for the others in any collective before failing (default: 600)")
     _add_policy_options(ft)
 
 

@@ -36,6 +36,7 @@ from ..cache.base import KVCache
 from ..cache.registry import make_cache
 from ..errors import CapacityError
 from .replay import KeyValueStore, Recorder, Replay, check_supported, held_positions
+from .step import ChunkStep, base_model, sharded_step
 
 
 def chunked_loss(
@@ -48,6 +49,7 @@ def chunked_loss(
     chunk: int | Sequence[int] = 512,
     weights: torch.Tensor | None = None,
     ignore_index: int = -100,
+    offload_kv: bool = False,
     **options,
 ) -> torch.Tensor:
     """Mean next-token cross-entropy of ``ids`` run ``chunk`` tokens at a time through a cache.
@@ -62,6 +64,15 @@ def chunked_loss(
              ``sinks=4`` ...); ``cache_length`` defaults to T (a dense cache of the sequence), and a
              float is a fraction of T.
     chunk:   tokens per model call, or a sequence of chunk sizes that sum to T.
+    offload_kv: keep the recorded keys and values and their gradient buffers, the memory that grows
+             with T, in CPU memory (pinned on CUDA) instead of on the model's device; gradients
+             are unchanged.
+
+    ``model`` may also be sharded for data parallelism by ``kvcache.train.shard.shard`` (DDP or
+    FSDP2, under ``torch.distributed``): every rank then passes its own rows of the global batch,
+    the result is the loss of the global batch, and ``backward()`` leaves in every rank's
+    ``.grad`` (a shard of it, under FSDP2) the gradient of the global batch, as one process
+    running all the rows would compute it.
 
     Returns a scalar tensor. Its ``backward()`` (or ``torch.autograd.grad``) gives every
     parameter that requires grad the exact gradient of the computation the cache performed: the
@@ -76,7 +87,10 @@ def chunked_loss(
     warning.
     On CUDA the call follows the caller's autocast (bf16) in both passes.
     """
-    model = model.get_base_model() if hasattr(model, "get_base_model") else model
+    sharded = sharded_step(model)
+    step = ChunkStep(base_model(model)) if sharded is None else sharded[1]
+    call = step if sharded is None else sharded[0]
+    model = step.transformer
     if ids.dim() != 2 or ids.dtype not in (torch.long, torch.int32):
         raise ValueError(f"ids must be a (batch, tokens) integer tensor, got shape {tuple(ids.shape)} and dtype {ids.dtype}")
     B, T = ids.shape
@@ -85,6 +99,10 @@ def chunked_loss(
     sizes = chunk_sizes(chunk, T)
     targets, target_weights = _targets(ids, labels, weights, ignore_index)
     denom = target_weights.sum()
+    world = 1
+    if sharded is not None and torch.distributed.is_initialized():
+        world = torch.distributed.get_world_size()
+        torch.distributed.all_reduce(denom)  # the global batch's total weight
     if float(denom) <= 0:
         raise ValueError("no token to predict: every label is ignore_index (or every weight is 0)")
     length = T if cache_length is None else cache_length
@@ -105,7 +123,17 @@ def chunked_loss(
             f"a {policy!r} cache of cache_length={cache.max_tokens} cannot hold a sequence of {T} tokens: "
             "give the dense cache the whole sequence (cache_length=None) or choose an evicting policy"
         )
-    plan = _Plan(model, cache, ids, targets, target_weights, denom, sizes, ignore_index)
+    store_device = torch.device("cpu") if offload_kv else ids.device
+    plan = _Plan(call, cache, ids, targets, target_weights, denom, sizes, ignore_index, store_device)
+    if sharded is not None:
+        # Gradients go to .grad through the wrapper's own hooks (DDP's all-reduce, FSDP2's
+        # reduce-scatter), so the loss hangs on an anchor instead of the parameters.
+        anchor = torch.zeros((), device=ids.device, requires_grad=torch.is_grad_enabled())
+        plan.world = world
+        if not anchor.requires_grad:
+            with torch.no_grad():
+                return plan.record()
+        return _ShardedChunkedLoss.apply(plan, anchor)
     params = [p for p in model.parameters() if p.requires_grad]
     if not (torch.is_grad_enabled() and params):
         with torch.no_grad():
@@ -151,75 +179,97 @@ def _targets(ids, labels, weights, ignore_index) -> tuple[torch.Tensor, torch.Te
 
 
 class _Plan:
-    """The state shared by the two passes of one ``chunked_loss`` call."""
+    """The state shared by the two passes of one ``chunked_loss`` call.
 
-    def __init__(self, model, cache: KVCache, ids, targets, target_weights, denom, sizes, ignore_index) -> None:
-        self.model, self.cache, self.ids, self.sizes = model, cache, ids, sizes
+    call: the ``ChunkStep`` (or its data-parallel wrapper) that runs one chunk and gives its loss.
+    store_device: where the recorded keys and values and their gradient buffers live.
+    """
+
+    def __init__(self, call, cache: KVCache, ids, targets, target_weights, denom, sizes, ignore_index,
+                 store_device: torch.device) -> None:
+        self.call, self.cache, self.ids, self.sizes = call, cache, ids, sizes
         self.targets, self.target_weights, self.denom, self.ignore_index = targets, target_weights, denom, ignore_index
         self.starts = [sum(sizes[:i]) for i in range(len(sizes))]
         T = ids.shape[1]
-        self.stores = [KeyValueStore(T) for _ in cache.layers]
+        self.store_device = store_device
+        self.stores = [KeyValueStore(T, store_device) for _ in cache.layers]
         # held[c][l]: (B, Hp, S) positions layer l held before chunk c (None for the first chunk).
         self.held: list[list[torch.Tensor] | None] = []
+        self.world = 1  # data-parallel ranks whose losses add up to the global batch's loss
         device = ids.device
         self.autocast = (device.type, torch.is_autocast_enabled(device.type), torch.get_autocast_dtype(device.type))
 
-    def _chunk_loss(self, c: int, hidden: torch.Tensor) -> torch.Tensor:
-        """Weighted sum of chunk ``c``'s token losses over the whole call's weight: a scalar.
-        hidden: (B, n, hidden_size) the final normed hidden states of the chunk."""
+    def _chunk_loss(self, c: int, cache: KVCache) -> torch.Tensor:
+        """Chunk ``c`` run through ``cache``: its weighted loss sum over the whole call's weight."""
         s, n = self.starts[c], self.sizes[c]
-        logits = self.model.lm_head(hidden).float()
-        losses = F.cross_entropy(logits.flatten(0, 1), self.targets[:, s : s + n].flatten(),
-                                 ignore_index=self.ignore_index, reduction="none")
-        return (losses * self.target_weights[:, s : s + n].flatten()).sum() / self.denom
+        return self.call(self.ids[:, s : s + n], cache, self.targets[:, s : s + n],
+                         self.target_weights[:, s : s + n], self.denom, self.ignore_index)
 
     def record(self) -> torch.Tensor:
         """The recording pass (no gradient): the loss, the keys and values, the decisions."""
-        model, cache, B = self.model, self.cache, self.ids.shape[0]
+        cache, B = self.cache, self.ids.shape[0]
         recording = KVCache([Recorder(layer, store) for layer, store in zip(cache.layers, self.stores)],
                             cache.spec, cache.policy)
         total = torch.zeros((), device=self.ids.device)
-        for c, (s, n) in enumerate(zip(self.starts, self.sizes)):
+        for c, s in enumerate(self.starts):
             self.held.append(None if c == 0 else [held_positions(layer, s, B) for layer in cache.layers])
-            hidden = model(self.ids[:, s : s + n], recording, skip_lm_head=True)
-            total = total + self._chunk_loss(c, hidden)
+            total = total + self._chunk_loss(c, recording)
+        if self.world > 1:
+            torch.distributed.all_reduce(total)  # every rank's share of the global batch's loss
         return total
+
+    def _replay(self, c: int, scale: torch.Tensor) -> tuple[torch.Tensor, list[Replay]]:
+        """Chunk ``c`` recomputed with gradient over the recorded keys and values its layers held:
+        (its loss times ``scale``, the replay layers whose leaves and new keys and values the
+        gradient is taken for)."""
+        cache, device = self.cache, self.ids.device
+        s, n = self.starts[c], self.sizes[c]
+        replays = []
+        for i, (layer, store) in enumerate(zip(cache.layers, self.stores)):
+            kept = None
+            if self.held[c] is not None:
+                pos = self.held[c][i]
+                k, v = store.gather(pos)
+                kept = (k.to(device).requires_grad_(), v.to(device).requires_grad_(), pos)
+            replays.append(Replay(layer, kept, store.k[:, :, s : s + n].to(device), store.v[:, :, s : s + n].to(device)))
+        replay = KVCache(replays, cache.spec, cache.policy)
+        replay.lengths.fill_(s)
+        device_type, enabled, dtype = self.autocast
+        with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled):
+            loss = self._chunk_loss(c, replay) * scale
+        return loss, replays
+
+    def _roots(self, c: int, loss: torch.Tensor, replays: list[Replay], g_k, g_v) -> tuple[list, list]:
+        """The outputs to differentiate for chunk ``c`` and their incoming gradients: the loss, and
+        the chunk's keys and values with the gradient later chunks sent them."""
+        s, n = self.starts[c], self.sizes[c]
+        outputs, grad_outputs = [loss], [None]
+        if c < len(self.sizes) - 1:  # the last chunk's keys and values reach no later chunk
+            for r, gk, gv in zip(replays, g_k, g_v):
+                for new, g in ((r.new_k, gk), (r.new_v, gv)):
+                    # Made by frozen weights only (a frozen first layer; LoRA on v_proj alone),
+                    # nothing trainable lies behind it.
+                    if new.requires_grad:
+                        outputs.append(new)
+                        grad_outputs.append(g[:, :, s : s + n].to(new.device, new.dtype))
+        return outputs, grad_outputs
+
+    def _buffers(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Gradient arriving at each position's key and value from later chunks, float32, with one
+        spare position (T) where the empty slots' (zero) gradients are sent."""
+        T = self.ids.shape[1]
+        g_k = [torch.zeros(*s.k.shape[:2], T + 1, s.k.shape[3], dtype=torch.float32, device=s.k.device)
+               for s in self.stores]
+        return g_k, [torch.zeros_like(g) for g in g_k]
 
     def backward(self, grad: torch.Tensor, params: list[torch.Tensor]) -> list[torch.Tensor | None]:
         """The gradient pass: every parameter's gradient of ``grad * loss``."""
-        model, cache = self.model, self.cache
         T = self.ids.shape[1]
-        # Gradient arriving at each position's key and value from later chunks, float32, with one
-        # spare position (T) where the empty slots' (zero) gradients are sent.
-        g_k = [torch.zeros(*s.k.shape[:2], T + 1, s.k.shape[3], dtype=torch.float32, device=s.k.device)
-               for s in self.stores]
-        g_v = [torch.zeros_like(g) for g in g_k]
+        g_k, g_v = self._buffers()
         grads: list[torch.Tensor | None] = [None] * len(params)
-        device_type, enabled, dtype = self.autocast
         for c in reversed(range(len(self.sizes))):
-            s, n = self.starts[c], self.sizes[c]
-            replays = []
-            for i, (layer, store) in enumerate(zip(cache.layers, self.stores)):
-                kept = None
-                if self.held[c] is not None:
-                    pos = self.held[c][i]
-                    k, v = store.gather(pos)
-                    kept = (k.requires_grad_(), v.requires_grad_(), pos)
-                replays.append(Replay(layer, kept, store.k[:, :, s : s + n], store.v[:, :, s : s + n]))
-            replay = KVCache(replays, cache.spec, cache.policy)
-            replay.lengths.fill_(s)
-            with torch.enable_grad(), torch.autocast(device_type, dtype=dtype, enabled=enabled):
-                hidden = model(self.ids[:, s : s + n], replay, skip_lm_head=True)
-                loss = self._chunk_loss(c, hidden) * grad
-            outputs, grad_outputs = [loss], [None]
-            if c < len(self.sizes) - 1:  # the last chunk's keys and values reach no later chunk
-                for r, gk, gv in zip(replays, g_k, g_v):
-                    for new, g in ((r.new_k, gk), (r.new_v, gv)):
-                        # Made by frozen weights only (a frozen first layer; LoRA on v_proj alone),
-                        # nothing trainable lies behind it.
-                        if new.requires_grad:
-                            outputs.append(new)
-                            grad_outputs.append(g[:, :, s : s + n].to(new.dtype))
+            loss, replays = self._replay(c, grad)
+            outputs, grad_outputs = self._roots(c, loss, replays, g_k, g_v)
             leaves = [t for r in replays if r.kept_k is not None for t in (r.kept_k, r.kept_v)]
             found = torch.autograd.grad(outputs, params + leaves, grad_outputs, allow_unused=True)
             for j, g in enumerate(found[: len(params)]):
@@ -230,6 +280,32 @@ class _Plan:
                     _send_back(gk, r.kept_pos, dk, T)
                     _send_back(gv, r.kept_pos, dv, T)
         return grads
+
+    def backward_into_grad(self, grad: torch.Tensor) -> None:
+        """The gradient pass of a data-parallel step: each chunk's backward is a call of its own
+        that adds the parameters' gradient into their ``.grad`` through the wrapper's hooks.
+
+        Every rank's loss is its rows' share of the global batch's loss; the wrappers average over
+        the ranks, so each rank differentiates ``world`` times its share. Under DDP the
+        gradients are all-reduced once, at the last backward (the first chunk's); FSDP2
+        reduce-scatters after every chunk, so no rank ever holds a whole gradient."""
+        T = self.ids.shape[1]
+        g_k, g_v = self._buffers()
+        ddp = isinstance(self.call, torch.nn.parallel.DistributedDataParallel)
+        try:
+            for c in reversed(range(len(self.sizes))):
+                if ddp:
+                    self.call.require_backward_grad_sync = c == 0
+                loss, replays = self._replay(c, grad * self.world)
+                outputs, grad_outputs = self._roots(c, loss, replays, g_k, g_v)
+                torch.autograd.backward(outputs, [g if g is not None else torch.ones_like(loss) for g in grad_outputs])
+                for r, gk, gv in zip(replays, g_k, g_v):
+                    if r.kept_k is not None:
+                        _send_back(gk, r.kept_pos, r.kept_k.grad, T)
+                        _send_back(gv, r.kept_pos, r.kept_v.grad, T)
+        finally:
+            if ddp:
+                self.call.require_backward_grad_sync = True
 
 
 def _pairs(items):
@@ -242,8 +318,9 @@ def _send_back(buffer: torch.Tensor, pos: torch.Tensor, grad: torch.Tensor | Non
     if grad is None:
         return
     B, H, S, D = grad.shape
+    pos = pos.to(buffer.device)
     index = torch.where(pos >= 0, pos, T).expand(B, H, S).unsqueeze(-1).expand(B, H, S, D)
-    buffer.scatter_add_(2, index, grad.float())
+    buffer.scatter_add_(2, index, grad.to(buffer.device, torch.float32))
 
 
 class _ChunkedLoss(torch.autograd.Function):
@@ -264,3 +341,23 @@ class _ChunkedLoss(torch.autograd.Function):
         grads = ctx.plan.backward(grad, list(ctx.params))
         ctx.plan = None  # the recorded keys and values are freed with the graph
         return (None, *grads)
+
+
+class _ShardedChunkedLoss(torch.autograd.Function):
+    """The loss of a data-parallel ``chunked_loss`` as one autograd node over an anchor: forward is
+    the recording pass (the global batch's loss), backward runs the chunks' backward calls, which
+    leave the gradient in the parameters' ``.grad``."""
+
+    @staticmethod
+    def forward(ctx, plan: _Plan, anchor: torch.Tensor) -> torch.Tensor:
+        ctx.plan = plan
+        return plan.record()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if ctx.plan is None:
+            raise RuntimeError("this chunked_loss was already backpropagated (its recorded keys and values are "
+                               "freed by the first backward); call chunked_loss again")
+        ctx.plan.backward_into_grad(grad)
+        ctx.plan = None
+        return None, None

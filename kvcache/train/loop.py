@@ -16,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from .chunked import chunked_loss
+from .shard import SHARDINGS, grad_norm, rank_rows, shard
 
 
 @dataclass
@@ -37,6 +38,11 @@ class FinetuneConfig:
     log_every: int = 1
     # Stop after the step that passes this wall-clock budget (the schedule still spans ``steps``).
     max_minutes: float | None = None
+    # Data parallelism over an initialised process group (shard.init_distributed): "ddp" or
+    # "fsdp". ``batch_size`` is then the global micro-batch, split over the ranks.
+    shard: str | None = None
+    # Keep the recorded keys and values (the memory that grows with the row) in CPU memory.
+    offload_kv: bool = False
 
     def __post_init__(self) -> None:
         for name in ("cache_length", "chunk", "steps", "batch_size", "grad_accum"):
@@ -47,6 +53,8 @@ class FinetuneConfig:
                 f"chunk ({self.chunk}) is larger than the cache (cache_length={self.cache_length}): a chunk's "
                 "activations would then exceed what the cache bounds; use a chunk of at most the cache length"
             )
+        if self.shard is not None and self.shard not in SHARDINGS:
+            raise ValueError(f"shard must be one of {', '.join(SHARDINGS)} (or None), got {self.shard!r}")
         if self.lr <= 0 or self.warmup < 0:
             raise ValueError(f"lr must be positive and warmup >= 0, got lr={self.lr}, warmup={self.warmup}")
 
@@ -89,8 +97,20 @@ def finetune(
     log:     a JSONL file that receives one record per ``log_every`` steps.
     on_step: called after every optimizer step with (step, record).
     Returns the records. On CUDA the forward runs under bf16 autocast with float32 weights.
+
+    With ``config.shard``, every rank of the initialised process group calls this with the same
+    model, rows and config: each draws the same global micro-batch and trains on its share, the
+    gradients are those of the global batch, and only rank 0 shows progress and writes ``log``
+    (its records are the global batch's). Under "fsdp" the model is left sharded in place:
+    ``shard.full_state_dict`` gathers it.
     """
     check_rows(rows.shape[1], config)
+    rank, world = 0, 1
+    if config.shard is not None:
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        rank_rows(torch.empty(config.batch_size), rank, world)  # every rank gets a row
+        model = shard(model, config.shard)
+    progress, log = progress and rank == 0, log if rank == 0 else None
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("no parameter of the model requires grad: nothing to train")
@@ -126,19 +146,21 @@ def finetune(
             total = 0.0
             for micro in range(config.grad_accum):
                 ids, w = next_batch(step * config.grad_accum + micro)
+                tokens += ids.numel()
+                if config.shard is not None:
+                    ids, w = rank_rows(ids, rank, world), None if w is None else rank_rows(w, rank, world)
                 ids = ids.to(device)
                 w = None if w is None else w.to(device)
                 with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
                     loss = chunked_loss(model, ids, weights=w, policy=config.policy, cache_length=config.cache_length,
-                                        chunk=config.chunk, **config.policy_options)
+                                        chunk=config.chunk, offload_kv=config.offload_kv, **config.policy_options)
                 (loss / config.grad_accum).backward()
                 total += loss.item() / config.grad_accum
-                tokens += ids.numel()
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, config.clip))
+            norm = grad_norm(params, config.clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             elapsed = time.time() - start
-            record = {"step": step + 1, "loss": round(total, 4), "lr": round(lr, 8), "grad_norm": round(grad_norm, 4),
+            record = {"step": step + 1, "loss": round(total, 4), "lr": round(lr, 8), "grad_norm": round(norm, 4),
                       "tokens": tokens, "seconds": round(elapsed, 1), "tokens_per_s": round(tokens / elapsed, 1)}
             records.append(record)
             bar.set_postfix(loss=f"{total:.4f}", tok_s=f"{tokens / elapsed:.0f}")

@@ -44,11 +44,12 @@ def sink_biased(q, q_sink, k, v, q_pos, k_pos, rule: dict) -> torch.Tensor:
 class KeyValueStore:
     """Keys and values of every position of the sequence for one layer, as its cache attended them.
 
-    k, v: (B, Hkv, T, D) in the dtype the model computed them in; allocated by the first write.
+    k, v: (B, Hkv, T, D) in the dtype the model computed them in, on ``device`` (the model's, or
+    the CPU when they are offloaded: pinned there when the model is on CUDA, for faster copies); allocated by the first write.
     """
 
-    def __init__(self, length: int) -> None:
-        self.length = length
+    def __init__(self, length: int, device: torch.device) -> None:
+        self.length, self.device = length, torch.device(device)
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
 
@@ -56,17 +57,20 @@ class KeyValueStore:
         """k, v: (B, Hkv, n, D) of positions [start, start + n)."""
         if self.k is None:
             B, H, _, D = k.shape
-            self.k = k.new_empty(B, H, self.length, D)
-            self.v = v.new_empty(B, H, self.length, D)
+            pin = self.device.type == "cpu" and k.device.type == "cuda"
+            self.k = torch.empty(B, H, self.length, D, dtype=k.dtype, device=self.device, pin_memory=pin)
+            self.v = torch.empty(B, H, self.length, D, dtype=v.dtype, device=self.device, pin_memory=pin)
         stop = start + k.shape[2]
+        # Blocking: a device-to-host copy must land before the host reads it back.
         self.k[:, :, start:stop] = k
         self.v[:, :, start:stop] = v
 
     def gather(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values at positions ``pos`` (B, Hp, S) (-1: an empty slot, filled with position
-        0's values, which attention never sees): (B, Hkv, S, D) each, fresh tensors."""
+        0's values, which attention never sees): (B, Hkv, S, D) each, fresh tensors on the
+        store's device."""
         B, H, _, D = self.k.shape
-        index = pos.clamp(min=0).expand(B, H, -1).unsqueeze(-1).expand(-1, -1, -1, D)
+        index = pos.to(self.device).clamp(min=0).expand(B, H, -1).unsqueeze(-1).expand(-1, -1, -1, D)
         return self.k.gather(2, index), self.v.gather(2, index)
 
 
