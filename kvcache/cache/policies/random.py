@@ -1,10 +1,11 @@
 """random: evict tokens at random (kvpress's RandomPress), the baseline every policy should beat.
 
-Each call draws one uniform score per candidate from a generator seeded with ``seed`` (on the
+Each call draws one uniform score per candidate from a generator seeded with ``score_seed`` (on the
 CPU, as kvpress draws them), in position order over the tokens that compete, so that a prompt
 compressed once keeps exactly the tokens kvpress's press keeps for the same seed. Every layer
 and call draws the same sequence, as kvpress's press does. Options:
-    seed     the generator's seed.
+    score_seed  the seed of the generator (kvpress's ``seed``; named so that it is not
+                generation's --seed on the command line).
     recent   newest tokens always kept.
     sinks    first tokens always kept.
 """
@@ -23,7 +24,7 @@ from ..options import option
 
 @dataclass(frozen=True)
 class RandomOptions:
-    seed: int = option(0, "seed of the scores' generator")
+    score_seed: int = option(0, "seed of the generator that draws the scores (kvpress: seed)")
     recent: int = option(0, "newest tokens always kept")
     sinks: int = option(0, "first tokens always kept")
 
@@ -52,7 +53,7 @@ class RandomCache(EvictingCache):
             # a row ranks as it would alone and a prompt as kvpress's k-th token does.
             order = pos[b].argsort(dim=-1, stable=True).cpu()  # (H, N)
             filled = int((pos[b, 0] >= 0).sum())
-            generator = torch.Generator().manual_seed(self.options.seed)
+            generator = torch.Generator().manual_seed(self.options.score_seed)
             drawn = torch.rand(H, filled, generator=generator, dtype=c.keys.dtype).float()
             score[b].scatter_(1, order[:, N - filled:], drawn)
         score = score.to(c.keys.device)
