@@ -85,10 +85,16 @@ def captured_decode(model: torch.nn.Module, cache: KVCache) -> CompiledDecode:
 
 
 def check_capturable(cache: KVCache) -> None:
-    """Raise ValueError if the decode steps of ``cache`` cannot be captured (batched eviction)."""
+    """Raise ValueError if the decode steps of ``cache`` cannot be captured (batched eviction,
+    whole blocks)."""
     # make_cache gives every layer (and head) the reserve of the cache's own spec.
     if cache.spec.reserve:
         raise ValueError(
             f"a captured decode step does not support reserve (got reserve={cache.spec.reserve}): batched "
             "eviction alternates between appending and evicting. Use compile=False, or reserve=0."
+        )
+    if cache.spec.block > 1 and any(layer.evicts for layer in cache.layers):
+        raise ValueError(
+            f"a captured decode step evicts single tokens; this cache keeps whole blocks (block={cache.spec.block}). "
+            "Use compile=False, or block=1."
         )

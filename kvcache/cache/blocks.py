@@ -36,13 +36,6 @@ def check_block(block: object, policy: str, evicts: bool, smallest_room: int) ->
         )
 
 
-def check_static_block(spec) -> None:
-    """A captured decode step moves one token over one victim slot; whole blocks are not evicted there."""
-    if spec.block > 1:
-        raise ValueError(f"a captured (compiled) decode step evicts single tokens; this cache has block={spec.block}: "
-                         "decode it eagerly, or make it with block=1")
-
-
 def keep_whole_blocks(
     priority: torch.Tensor, positions: torch.Tensor, block: int, newest: torch.Tensor | int, room: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

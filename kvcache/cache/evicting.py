@@ -38,7 +38,7 @@ import torch
 
 from .. import attention
 from .base import CacheSpec, LayerCache, Step
-from .blocks import check_static_block, keep_whole_blocks
+from .blocks import keep_whole_blocks
 from .candidates import Candidates
 from .storage import make_storage
 
@@ -199,7 +199,6 @@ class EvictingCache(LayerCache):
         ))
 
     def decode_static(self, q, k, v, step: Step) -> torch.Tensor:
-        check_static_block(self.spec)
         # The decode path serves a cache that is not full too: the lowest-priority slot is then
         # an empty one, the first (as appending would choose), so one path covers every step.
         return self._decode(q, k, v, step)

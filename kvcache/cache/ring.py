@@ -13,7 +13,6 @@ import torch
 
 from .. import attention
 from .base import Step
-from .blocks import check_static_block
 from .candidates import Candidates
 from .evicting import PROTECTED, EvictingCache
 
@@ -91,7 +90,6 @@ class RingCache(EvictingCache):
         return out
 
     def decode_static(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
-        check_static_block(self.spec)
         # The token goes to its position's slot; every slot is attended with the policy's
         # visibility mask (empty slots hidden), and renumbered sinks are scored by the rotated
         # query (a bias on their columns), so no slot is modified for scoring.

@@ -148,3 +148,11 @@ def test_block_options_are_checked(llama):
         kvcache.make_cache(llama, "sink", cache_length=16, block=4, sinks=4, positions="renumbered")
     # dense never evicts: any block size is accepted and changes nothing.
     assert kvcache.make_cache(llama, "dense", cache_length=16, block=64).layers[0].spec.block == 64
+
+
+def test_a_captured_decode_step_refuses_blocks(llama):
+    from kvcache.compile import check_capturable
+
+    with pytest.raises(ValueError, match="this cache keeps whole blocks \\(block=4\\). Use compile=False, or block=1"):
+        check_capturable(kvcache.make_cache(llama, "h2o", cache_length=16, block=4))
+    check_capturable(kvcache.make_cache(llama, "dense", cache_length=16, block=4))  # dense never evicts

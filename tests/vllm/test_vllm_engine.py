@@ -17,7 +17,8 @@ import os
 
 import pytest
 
-pytest.importorskip("vllm")
+# vllm.v1, not vllm: without vLLM installed, this folder itself would be imported as "vllm".
+pytest.importorskip("vllm.v1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from vllm import LLM, SamplingParams  # noqa: E402
