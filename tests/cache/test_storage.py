@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import kvcache
+from kvcache import attention
 from kvcache.cache import CacheSpec
 from kvcache.quant.codes import decode_tokens, encode_tokens, quantize, unpack
 from kvcache.cache.storages.kivi import KiviStorage
@@ -517,3 +518,39 @@ def test_buffers_name_every_tensor_a_storage_holds(llama, name):
     held = {n for n, t in vars(storage).items() if isinstance(t, torch.Tensor)}
     assert set(storage.buffers()) == held
     assert storage.nbytes() == sum(t.numel() * t.element_size() for t in storage.buffers().values())
+
+
+@pytest.mark.parametrize("case", ["fresh", "after_open_group", "ragged", "window"])
+def test_kivi_chunk_attention_equals_reading_the_codes(case):
+    """``attend_chunk`` (decoded slots, staged groups, fused attention) gives what the packed
+    kernel computes over the same slots, query by query as each reads them at its position;
+    reading every slot as it is now instead would differ."""
+    G, D, H, Hq, C = 4, 16, 2, 4, 40
+    B = 2 if case == "ragged" else 1
+    gen = torch.Generator().manual_seed(3)
+    store = KiviStorage(spec(D=D, H=H, C=C, B=B, storage=f"kivi4/{G}"), 4, False, G)
+    window = 6 if case == "window" else None
+
+    def write(start: int, T: int, n: list[int]) -> None:
+        k = torch.randn(B, H, T, D, generator=gen) * torch.linspace(0.2, 3, D)
+        v = torch.randn(B, H, T, D, generator=gen)
+        pos = start + torch.arange(T).expand(B, T)
+        valid = torch.arange(T)[None] < torch.tensor(n)[:, None]
+        store.write(torch.where(valid, pos, C), k, v, pos)
+        store.pos[:, :, C] = -1
+
+    start = 0
+    if case == "after_open_group":
+        write(0, 6, [6])  # one group sealed, two tokens left open in the residual
+        start = 6
+    n = [13, 9] if case == "ragged" else [13] * B
+    write(start, 13, n)
+    q = torch.randn(B, Hq, 13, D, generator=gen)
+    q_pos = start + torch.arange(13).expand(B, 13)
+    got = store.attend_chunk(q, q_pos, torch.tensor(n), window)
+    keys, values, k_pos = store.view(start + 13)
+    want = attention.masked(q, keys, values, q_pos, k_pos, window=window)
+    now = attention.masked(q, keys.decoded(), values.decoded(), q_pos, k_pos, window=window)
+    for b in range(B):
+        assert max_diff(got[b, :, : n[b]], want[b, :, : n[b]]) <= 1e-5
+    assert max_diff(now, want) > 1e-3  # the staged reads matter

@@ -36,8 +36,8 @@ class DenseCache(LayerCache):
         # attention: its own tokens read back from their codes (stored as those codes), the
         # stored slots decoded. Every later step reads the same numbers from the slots, so the
         # result does not depend on how the sequence is chunked. (KIVI keys change layout as
-        # their group fills, and each query reads them as they were at its position: such a
-        # chunk is read from its slots like any later step.)
+        # their group fills, and each query reads them as they were at its position: the
+        # storage's ``attend_chunk`` attends such a chunk.)
         readback = store.exact_roundtrip and (T > 1 or not store.packed)
         if readback:
             k, v = store.roundtrip(k, v)  # storing them below stores the codes computed here
@@ -47,6 +47,8 @@ class DenseCache(LayerCache):
             store.write(step.append_slot, k, v, step.positions)
         if step.fresh and readback:
             return attention.causal(q, k, v, window=self.spec.window)
+        if T > 1 and store.packed and not store.exact_roundtrip:
+            return store.attend_chunk(q, step.positions, step.n_tokens, self.spec.window)
         span = step.span_end
         ks, vs, pos = store.view(span)
         if readback and store.packed:

@@ -20,6 +20,7 @@ import torch
 
 from ...quant.codes import encode_tokens, pack, quantize, unpack
 from ...quant.packed import CHANNEL, RESIDUAL, TOKEN, PackedKeys, PackedValues
+from ... import attention
 from ..base import CacheSpec
 from .token import TokenStorage
 
@@ -314,6 +315,70 @@ class KiviStorage(TokenStorage):
         values = PackedValues(self.v[:, :, :span], self.v_meta[:, :, :span], self.bits, self.head_dim, self.dtype,
                               residual=self.v_residual, stage=stage_v, **shared)
         return keys, values, self.pos[:, :, :span]
+
+    def attend_chunk(self, q: torch.Tensor, q_pos: torch.Tensor, n_tokens: torch.Tensor,
+                     window: int | None) -> torch.Tensor:
+        """Attention of a chunk just written in slot order (slot s holds position s, as a dense
+        cache writes), each query reading the slots as it would at its position, exactly as the
+        packed kernel reads them (``PackedKeys``), but over decoded tensors with the fused kernel.
+
+        q: (B, Hq, T, D) at q_pos (B, T); the first ``n_tokens[b]`` (CPU) of row b are real;
+        ``window``: the model's sliding window. Returns (B, Hq, T, D), zero at padding.
+
+        A query reads every slot as it is now (groups quantized per channel once complete, the
+        open group at full precision), except the group it belongs to when this write completed
+        that group after it: that group's keys and values were still full precision (staged),
+        so the query attends the slots before its group, decoded, followed by its group's staged
+        copy. One call per such group and one for every other query, instead of one pass of the
+        packed kernel over every slot for every query.
+        """
+        B, T = q_pos.shape
+        span = int((q_pos[:, 0].cpu() + n_tokens).max())
+        keys, values, k_pos = self.view(span)
+        kc, vc = keys.decoded(), values.decoded()
+        out = torch.zeros_like(q)
+        staged = self._staged
+        starts = q_pos[:, 0].cpu()
+        uniform = bool((starts == starts[0]).all() and (n_tokens == n_tokens[0]).all())
+        rows = [slice(None)] if uniform and (staged is None or bool((staged[2] == staged[2][:1]).all())) else \
+            [slice(b, b + 1) for b in range(B)]
+        for r in rows:
+            n = int(n_tokens[r].max())
+            if n == 0:
+                continue
+            sub_staged = None if staged is None else tuple(x[r] for x in staged)
+            out[r, :, :n] = self._attend_rows(q[r, :, :n], q_pos[r, :n], kc[r], vc[r], k_pos[r], sub_staged, window)
+        return out
+
+    def _attend_rows(self, q, q_pos, kc, vc, k_pos, staged, window) -> torch.Tensor:
+        """``attend_chunk`` for rows that share their positions and what the write staged."""
+        T = q.shape[2]
+        G = self.key_group
+        p0 = int(q_pos[0, 0])
+        out = torch.empty_like(q)
+        covered = torch.zeros(T, dtype=torch.bool)
+        if staged is not None:
+            stage_k, stage_v, stage_of, seal_pos = staged
+            entry, seal = stage_of[0].cpu(), seal_pos[0].cpu()
+            for g in (entry >= 0).nonzero().flatten().tolist():
+                lo, hi = max(p0, g * G), min(p0 + T, int(seal[g]))
+                if hi <= lo:
+                    continue
+                # Each row's staged copy of group g: (B, H, G, D).
+                pick = stage_of[:, g].clamp(min=0)[:, None, None, None, None].expand(-1, *stage_k.shape[1:2], 1,
+                                                                                    *stage_k.shape[3:])
+                own_k = stage_k.gather(2, pick).squeeze(2)[:, :, : hi - g * G]
+                own_v = stage_v.gather(2, pick).squeeze(2)[:, :, : hi - g * G]
+                k = torch.cat((kc[:, :, : g * G], own_k.to(kc.dtype)), dim=2)
+                v = torch.cat((vc[:, :, : g * G], own_v.to(vc.dtype)), dim=2)
+                t = slice(lo - p0, hi - p0)
+                out[:, :, t] = attention.masked(q[:, :, t], k, v, q_pos[:, t], k_pos[..., :hi], window=window)
+                covered[t] = True
+        rest = (~covered).nonzero().flatten()
+        if rest.numel():
+            idx = rest.to(q.device)
+            out[:, :, idx] = attention.masked(q[:, :, idx], kc, vc, q_pos[:, idx], k_pos, window=window)
+        return out
 
     def reset(self) -> None:
         super().reset()
