@@ -4,6 +4,7 @@ caches of 1024 slots. Prints one JSON object.
 
     python benchmarks/finetune.py                       # 4k, 8k, 16k tokens; the bundled model
     python benchmarks/finetune.py --lengths 4096 --steps 1
+    python benchmarks/finetune.py --shard               # DDP vs FSDP2 per-rank memory (finetune_shard.py)
 
 Model: the bundled reference model (5.1M parameters, 4 layers, hidden 256, 8 query / 2 K/V heads,
 vocabulary 8192), in float32 on the CPU, one row per step.
@@ -104,7 +105,14 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=512)
     parser.add_argument("--steps", type=int, default=2, help="measured steps per configuration")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--shard", action="store_true",
+                        help="instead: per-rank memory of DDP against FSDP2 on 2 gloo ranks (finetune_shard.py)")
     args = parser.parse_args()
+    if args.shard:
+        import finetune_shard
+
+        print(json.dumps(finetune_shard.measure(finetune_shard.parser().parse_args([])), indent=2))
+        return
     lengths = [int(x) for x in args.lengths.split(",")]
     names = args.configs.split(",")
     load_before = os.getloadavg()
