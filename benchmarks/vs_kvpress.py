@@ -566,6 +566,57 @@ def make_tiny(out: Path, tokenizer_dir: Path) -> None:
     log(f"wrote a random {sum(p.numel() for p in hf.parameters()) / 1e6:.2f}M-parameter Llama to {out}")
 
 
+# ---------------------------------------------------------------------------------------------
+# Kept positions: the presses that score keys and values alone, against kvcache's policies
+
+
+KEPT_PAIRS = [
+    Pair("KnormPress", {}, "knorm", {"recent": 0, "sinks": 0}),
+    Pair("KeyDiffPress", {}, "keydiff", {"recent": 0, "sinks": 0}),
+    Pair("RandomPress", {"seed": 3}, "random", {"score_seed": 3, "recent": 0, "sinks": 0}),
+    Pair("LagKVPress", {"n_sink": 4, "lag_size": 64}, "lagkv", {"sinks": 4, "lag": 64}),
+]
+
+
+@torch.inference_mode()
+def kept_check(model_dir: Path, ids: list[int], ratios: list[float]) -> list[dict]:
+    """Per press and ratio: the positions kvpress's press keeps (its ``score`` on the keys and
+    values of transformers' uncompressed forward, top ``int((1 - ratio) * n)`` per layer and K/V
+    head, as ``ScorerPress.compress``) against those kvcache's policy keeps after compressing the
+    same ids in one chunk. ``identical_heads`` is the share of (layer, head) whose kept sets are
+    equal; ``position_overlap`` the share of kvpress's kept positions kvcache keeps too."""
+    import kvpress
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = kvcache.load(model_dir, dtype=torch.float32)
+    x = torch.tensor([ids])
+    layers = hf(input_ids=x, use_cache=True).past_key_values.layers
+    rows = []
+    for pair in KEPT_PAIRS:
+        for ratio in ratios:
+            press = getattr(kvpress, pair.press)(compression_ratio=ratio, **pair.press_kwargs)
+            kept = max(1, int(len(ids) * (1 - ratio)))
+            cache = kvcache.make_cache(model, pair.policy, cache_length=kept, **pair.options)
+            model(x, cache, last_only=True)
+            same = total = overlap = 0
+            for i, layer in enumerate(layers):
+                attn = hf.model.layers[i].self_attn
+                scores = press.score(attn, None, layer.keys, layer.values, None, {})
+                theirs = scores.topk(kept, dim=-1).indices[0]  # (Hkv, kept)
+                ours = cache.layers[i].storage.pos[0, :, :kept]  # (Hkv, kept)
+                for h in range(theirs.shape[0]):
+                    a, b = set(theirs[h].tolist()), set(ours[h].tolist())
+                    same += a == b
+                    overlap += len(a & b)
+                    total += 1
+            rows.append({"press": pair.press, "policy": pair.policy, "ratio": ratio, "tokens": len(ids),
+                         "kept": kept, "identical_heads": same / total,
+                         "position_overlap": overlap / (total * kept)})
+            log(f"kept {pair.press:<14} {ratio:<5} identical heads {same}/{total}")
+    return rows
+
+
 def floats(s: str) -> list[float]:
     return [float(x) for x in s.split(",") if x]
 
@@ -601,6 +652,9 @@ def main(argv=None) -> None:
                     help="write a tiny random Llama checkpoint to DIR and exit")
     ap.add_argument("--tokenizer-from", type=Path, default=ROOT / "data" / "tokenizer",
                     help="tokenizer.json + tokenizer_config.json to copy for --make-tiny")
+    ap.add_argument("--kept-check", action="store_true",
+                    help="only compare the kept positions of KnormPress, KeyDiffPress, RandomPress and LagKVPress "
+                         "with kvcache's knorm, keydiff, random and lagkv on the first --lengths tokens of the texts")
     args = ap.parse_args(argv)
     if args.make_tiny:
         make_tiny(args.make_tiny, args.tokenizer_from)
@@ -615,7 +669,12 @@ def main(argv=None) -> None:
     known = {"dense"} | {p.press for p in PAIRS[1:]}
     if args.presses and set(args.presses) - known:
         ap.error(f"unknown presses {sorted(set(args.presses) - known)}; choose from {sorted(known)}")
-    report = run(args)
+    if args.kept_check:
+        tok = kvcache.load_tokenizer(args.model)
+        ids = read_texts(args.texts, tok)[: args.lengths[0]].tolist()
+        report = {"kept_check": kept_check(args.model, ids, args.ratios), "torch": torch.__version__}
+    else:
+        report = run(args)
     text = json.dumps(report, indent=1)
     print(text)
     if args.out:

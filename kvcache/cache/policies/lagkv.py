@@ -77,6 +77,11 @@ class LagKVCache(EvictingCache):
     def priority(self, c: Candidates) -> torch.Tensor:
         B, H, N, D = c.keys.shape
         pos = c.positions.expand(B, H, N)
+        C = self.spec.cache_length
+        # A captured decode step (no host counts) adds one token per row.
+        added = c.step.n_tokens if c.step.n_tokens is not None else torch.ones(B, dtype=torch.long)
+        total = self.held + added.cpu()
+        room = torch.where(total > C, C - self.spec.reserve, total)  # what each row keeps
         score = torch.zeros(B, H, N, device=c.keys.device)
         for b in range(B):  # rows hold different counts; each is scored over its own tokens
             order = pos[b].argsort(dim=-1, stable=True)  # (H, N): empty slots first
@@ -84,7 +89,12 @@ class LagKVCache(EvictingCache):
             take = order[:, N - filled:]
             k = c.keys[b].gather(1, take[..., None].expand(H, filled, D))
             v = c.values[b].gather(1, take[..., None].expand(H, filled, D))
-            score[b].scatter_(1, take, lag_scores(k, v, self.options.sinks, self.options.lag))
+            s = lag_scores(k, v, self.options.sinks, self.options.lag)  # (H, filled), in [0, 1]
+            # Ranks tie across partitions; the kept ones are chosen as kvpress chooses them, by
+            # top-k over the tokens in position order, and lifted above the rest (scores are <= 1).
+            chosen = s.topk(min(int(room[b]), filled), dim=-1).indices
+            s = s.scatter_add(1, chosen, torch.full_like(chosen, 2.0, dtype=s.dtype))
+            score[b].scatter_(1, take, s)
         if self.options.sinks:
             score = score.masked_fill(c.positions < self.options.sinks, PROTECTED)
         return score
