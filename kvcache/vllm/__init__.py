@@ -14,6 +14,8 @@ An engine without a ``kvcache`` configuration runs exactly as without the plugin
 
 from __future__ import annotations
 
+import logging
+
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: check the vLLM version, register kvcache's KV
@@ -27,6 +29,15 @@ def register() -> None:
     from . import version
 
     version.check(vllm.__version__)
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        # No hook that sees an engine's configuration runs on every platform, so the entry cannot
+        # be refused there: say so once per process instead.
+        logging.getLogger(__name__).warning(
+            "kvcache's vLLM plugin drives vLLM's CPU attention backend only; on %s an engine's "
+            "additional_config['kvcache'] is not applied", current_platform.device_name)
+        return
     from .manager import KVCacheBlockManager
     from .spec import KVCacheAttentionSpec
 
