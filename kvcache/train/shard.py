@@ -46,7 +46,14 @@ def init_distributed(device: torch.device | str = "cpu", timeout: float = DEFAUL
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+        try:
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+        except (RuntimeError, OSError) as e:  # DistStoreError (a timeout) is a RuntimeError
+            raise RuntimeError(
+                f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} could not join the process group at "
+                f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} within {timeout:g} s ({e}); are all the "
+                "ranks started (torchrun --nproc-per-node, --nnodes), and is the address reachable?"
+            ) from None
     return dist.get_rank(), dist.get_world_size()
 
 
