@@ -38,12 +38,16 @@ def build(ckpt: str, lora: bool) -> torch.nn.Module:
     return model
 
 
-def batch(rows: int, T: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ids, labels (some ignored, so ranks hold different target counts) and weights, (rows, T)."""
+def batch(rows: int, T: int, ragged: bool) -> tuple:
+    """ids, labels (some ignored, so ranks hold different target counts) and weights, (rows, T);
+    ``ragged``: lists of rows of T, T - 7, T - 13 ... tokens instead."""
     ids = token_ids(T, batch=rows, seed=7)
     labels = ids.clone()
     labels[0, 2:9] = -100
     weights = 1.0 + torch.rand(rows, T, generator=torch.Generator().manual_seed(3))
+    if ragged:
+        lengths = [T - 7 * i % (T - 2) for i in range(rows)]
+        return tuple([t[i, :n] for i, n in enumerate(lengths)] for t in (ids, labels, weights))
     return ids, labels, weights
 
 
@@ -65,7 +69,7 @@ def equivalence(rank: int, world: int, port: int, ckpt: str, cases: list[dict], 
     init_distributed(timeout=60)
     results = []
     for case in cases:
-        ids, labels, weights = batch(case.get("rows", 3), 24)
+        ids, labels, weights = batch(case.get("rows", 3), 24, case.get("ragged", False))
         kw = dict(policy=case["policy"], chunk=8, **case.get("options", {}))
         reference = build(ckpt, case["lora"])
         loss = kvcache.chunked_loss(reference, ids, labels, weights=weights, **kw)

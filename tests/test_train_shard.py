@@ -59,6 +59,7 @@ def test_two_ranks_equal_one_process(ckpt, tmp_path, combos):
     """3 rows over 2 ranks (2 + 1), one row with ignored targets and every target weighted: the
     ranks' target counts differ, so each rank's share must be taken over the global weight."""
     cases = [dict(how=how, lora=lora, policy=policy, options=options) for how, lora, (policy, options) in combos]
+    cases.append(dict(how="fsdp", lora=False, policy=H2O[0], options=H2O[1], ragged=True))  # rows of 24, 17, 10
     out = tmp_path / "results.json"
     mp.spawn(shard_util.equivalence, args=(2, free_port(), ckpt, cases, str(out)), nprocs=2)
     check(json.loads(out.read_text()), len(cases))

@@ -41,20 +41,24 @@ from .step import ChunkStep, base_model, sharded_step
 
 def chunked_loss(
     model: torch.nn.Module,
-    ids: torch.Tensor,
-    labels: torch.Tensor | None = None,
+    ids: torch.Tensor | Sequence[torch.Tensor],
+    labels: torch.Tensor | Sequence[torch.Tensor] | None = None,
     *,
     policy: str = "dense",
     cache_length: int | float | None = None,
     chunk: int | Sequence[int] = 512,
-    weights: torch.Tensor | None = None,
+    weights: torch.Tensor | Sequence[torch.Tensor] | None = None,
     ignore_index: int = -100,
     offload_kv: bool = False,
     **options,
 ) -> torch.Tensor:
     """Mean next-token cross-entropy of ``ids`` run ``chunk`` tokens at a time through a cache.
 
-    ids:     (B, T) token ids, every row T tokens (T >= 2).
+    ids:     (B, T) token ids, every row T tokens (T >= 2); or a list of B rows of different
+             lengths (1-D tensors, each >= 2 tokens), with ``labels`` and ``weights`` lists alike:
+             ragged rows. Each row then has exactly the loss and gradient it has alone (see
+             ``pad_rows``), and the batch's loss is the mean over all their targets. T is the
+             longest row's length (a float ``cache_length`` is a fraction of it).
     labels:  (B, T) targets aligned with ``ids`` (default ``ids``): the logits at position t
              predict ``labels[:, t + 1]``, as in transformers' causal-LM loss; positions whose
              label is ``ignore_index`` are not counted.
@@ -87,6 +91,8 @@ def chunked_loss(
     warning.
     On CUDA the call follows the caller's autocast (bf16) in both passes.
     """
+    if isinstance(ids, (list, tuple)):
+        ids, labels, weights = pad_rows(ids, labels, weights, ignore_index)
     sharded = sharded_step(model)
     step = ChunkStep(base_model(model)) if sharded is None else sharded[1]
     call = step if sharded is None else sharded[0]
@@ -96,13 +102,19 @@ def chunked_loss(
     B, T = ids.shape
     if T < 2:
         raise ValueError(f"ids needs at least 2 tokens per row (one to predict from, one to predict), got {T}")
-    sizes = chunk_sizes(chunk, T)
     targets, target_weights = _targets(ids, labels, weights, ignore_index)
     denom = target_weights.sum()
     world = 1
     if sharded is not None and torch.distributed.is_initialized():
         world = torch.distributed.get_world_size()
         torch.distributed.all_reduce(denom)  # the global batch's total weight
+        # Every rank must make as many model calls (FSDP2 gathers each block's weights in each):
+        # shorter rows are padded to the longest rank's, which changes nothing they compute.
+        longest = torch.tensor(T, device=ids.device)
+        torch.distributed.all_reduce(longest, op=torch.distributed.ReduceOp.MAX)
+        ids, targets, target_weights = _extend(ids, targets, target_weights, int(longest), ignore_index)
+        T = ids.shape[1]
+    sizes = chunk_sizes(chunk, T)
     if float(denom) <= 0:
         raise ValueError("no token to predict: every label is ignore_index (or every weight is 0)")
     length = T if cache_length is None else cache_length
@@ -139,6 +151,53 @@ def chunked_loss(
         with torch.no_grad():
             return plan.record()
     return _ChunkedLoss.apply(plan, *params)
+
+
+def pad_rows(rows: Sequence[torch.Tensor], labels: Sequence[torch.Tensor] | None,
+             weights: Sequence[torch.Tensor] | None, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Ragged rows as one right-padded batch: ids (B, T) (padded with id 0), labels (B, T)
+    (``ignore_index`` on padding), weights (B, T) float32 (0 on padding), T the longest row.
+
+    Padding changes nothing a row's real tokens compute: it comes after them, so causal attention
+    never shows it to them, and a cache's decisions made after a chunk that holds padding only
+    reach later chunks, where that row is all padding. Every chunk boundary before a row's end
+    is where the row alone would have it, so each row's tokens are computed exactly as alone."""
+    rows = list(rows)
+    if not rows:
+        raise ValueError("ids is an empty list: give at least one row")
+    for name, given in (("labels", labels), ("weights", weights)):
+        if given is not None and (not isinstance(given, (list, tuple)) or len(given) != len(rows)):
+            raise ValueError(f"with ragged ids (a list of {len(rows)} rows), {name} must be a list of as many rows")
+    for i, row in enumerate(rows):
+        if not torch.is_tensor(row) or row.dim() != 1 or row.dtype not in (torch.long, torch.int32):
+            raise ValueError(f"ragged ids: row {i} must be a 1-D integer tensor, got "
+                             f"{type(row).__name__} {tuple(getattr(row, 'shape', ()))}")
+        if row.shape[0] < 2:
+            raise ValueError(f"ids needs at least 2 tokens per row (one to predict from, one to predict); "
+                             f"row {i} has {row.shape[0]}")
+        for name, given in (("labels", labels), ("weights", weights)):
+            if given is not None and tuple(given[i].shape) != tuple(row.shape):
+                raise ValueError(f"{name}[{i}] must have the shape of row {i} {tuple(row.shape)}, "
+                                 f"got {tuple(given[i].shape)}")
+    T, device = max(r.shape[0] for r in rows), rows[0].device
+    ids = torch.zeros(len(rows), T, dtype=torch.long, device=device)
+    padded_labels = torch.full_like(ids, ignore_index)
+    padded_weights = torch.zeros(len(rows), T, dtype=torch.float32, device=device)
+    for i, row in enumerate(rows):
+        n = row.shape[0]
+        ids[i, :n] = row
+        padded_labels[i, :n] = row if labels is None else labels[i]
+        padded_weights[i, :n] = 1.0 if weights is None else weights[i].float()
+    return ids, padded_labels, padded_weights
+
+
+def _extend(ids, targets, target_weights, T: int, ignore_index: int) -> tuple[torch.Tensor, ...]:
+    """ids, targets (B, t) and target weights right-padded to T tokens (id 0, nothing to predict)."""
+    extra = T - ids.shape[1]
+    if extra == 0:
+        return ids, targets, target_weights
+    return (F.pad(ids, (0, extra), value=0), F.pad(targets, (0, extra), value=ignore_index),
+            F.pad(target_weights, (0, extra), value=0.0))
 
 
 def chunk_sizes(chunk: int | Sequence[int], total: int) -> list[int]:

@@ -78,10 +78,10 @@ def check_rows(seq_len: int, config: FinetuneConfig) -> None:
 
 def finetune(
     model: torch.nn.Module,
-    rows: torch.Tensor,
+    rows: torch.Tensor | list[torch.Tensor],
     config: FinetuneConfig,
     *,
-    weights: torch.Tensor | None = None,
+    weights: torch.Tensor | list[torch.Tensor] | None = None,
     batches: Callable[[int], tuple[torch.Tensor, torch.Tensor | None]] | None = None,
     log: str | Path | None = None,
     on_step: Callable[[int, dict], None] | None = None,
@@ -90,7 +90,8 @@ def finetune(
     """Train ``model`` in place (a ``kvcache.Transformer``, or one wrapped by ``add_lora``).
 
     rows:    (N, T) token ids; each micro-batch takes ``batch_size`` rows in a shuffled order
-             that is drawn anew every pass over the data.
+             that is drawn anew every pass over the data. Or a list of N 1-D rows of different
+             lengths (ragged; ``weights`` then a list alike), each trained as it would be alone.
     weights: (N, T) optional per-token loss weights (see ``chunked_loss``).
     batches: instead of rows, a function of the micro-batch index returning (ids (B, T), weights
              or None): rows generated on the fly (``rows`` then only gives T).
@@ -104,7 +105,8 @@ def finetune(
     (its records are the global batch's). Under "fsdp" the model is left sharded in place:
     ``shard.full_state_dict`` gathers it.
     """
-    check_rows(rows.shape[1], config)
+    ragged = isinstance(rows, (list, tuple))
+    check_rows(max(len(r) for r in rows) if ragged else rows.shape[1], config)
     rank, world = 0, 1
     if config.shard is not None:
         rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -121,7 +123,7 @@ def finetune(
                                    {"params": other, "weight_decay": 0.0}],
                                   lr=config.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
     generator = torch.Generator().manual_seed(config.seed)
-    order = torch.randperm(rows.shape[0], generator=generator)
+    order = torch.randperm(len(rows), generator=generator)
     cursor = 0
 
     def next_batch(index: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -129,9 +131,11 @@ def finetune(
         if batches is not None:
             return batches(index)
         if cursor + config.batch_size > len(order):
-            order, cursor = torch.randperm(rows.shape[0], generator=generator), 0
+            order, cursor = torch.randperm(len(rows), generator=generator), 0
         pick = order[cursor : cursor + config.batch_size]
         cursor += config.batch_size
+        if ragged:
+            return [rows[i] for i in pick], None if weights is None else [weights[i] for i in pick]
         return rows[pick], None if weights is None else weights[pick]
 
     records, sink = [], None if log is None else open(log, "a")
@@ -146,11 +150,12 @@ def finetune(
             total = 0.0
             for micro in range(config.grad_accum):
                 ids, w = next_batch(step * config.grad_accum + micro)
-                tokens += ids.numel()
+                tokens += sum(len(r) for r in ids) if ragged else ids.numel()
                 if config.shard is not None:
                     ids, w = rank_rows(ids, rank, world), None if w is None else rank_rows(w, rank, world)
-                ids = ids.to(device)
-                w = None if w is None else w.to(device)
+                ids = [r.to(device) for r in ids] if ragged else ids.to(device)
+                if w is not None:
+                    w = [r.to(device) for r in w] if ragged else w.to(device)
                 with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
                     loss = chunked_loss(model, ids, weights=w, policy=config.policy, cache_length=config.cache_length,
                                         chunk=config.chunk, offload_kv=config.offload_kv, **config.policy_options)

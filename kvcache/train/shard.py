@@ -92,14 +92,19 @@ def unwrap(sharded: torch.nn.Module) -> torch.nn.Module:
     return step.model
 
 
-def rank_rows(rows: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    """This rank's rows of a global batch ``rows`` (B, ...): contiguous, as even as they divide
-    (B % world ranks get one more row). Raises ValueError when some rank would get none."""
-    if rows.shape[0] < world:
+def rank_rows(rows: torch.Tensor | list, rank: int, world: int) -> torch.Tensor | list:
+    """This rank's rows of a global batch ``rows`` (B, ...) or list of B ragged rows: contiguous,
+    as even as they divide (the first B % world ranks get one more row). Raises ValueError when
+    some rank would get none."""
+    if len(rows) < world:
         raise ValueError(
-            f"a global batch of {rows.shape[0]} rows cannot be split over {world} ranks: every rank needs at "
+            f"a global batch of {len(rows)} rows cannot be split over {world} ranks: every rank needs at "
             f"least one row; use --batch-size of at least {world}"
         )
+    if isinstance(rows, (list, tuple)):
+        size, extra = divmod(len(rows), world)
+        start = rank * size + min(rank, extra)
+        return list(rows[start : start + size + (rank < extra)])
     return torch.tensor_split(rows, world)[rank]
 
 
