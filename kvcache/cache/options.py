@@ -65,7 +65,7 @@ def build(policy: str, options_cls: type, given: dict[str, object]):
             raise ValueError(f"option {name!r} of policy {policy!r} must be {info.type.__name__}, got {value!r}")
         if info.choices is not None and value not in info.choices:
             raise ValueError(
-                f"option {name!r} of policy {policy!r} must be one of {', '.join(info.choices)}, got {value!r}"
+                f"option {name!r} of policy {policy!r} must be one of {', '.join(map(str, info.choices))}, got {value!r}"
             )
     given = {k: float(v) if infos[k].type is float else v for k, v in given.items()}
     return options_cls(**given)

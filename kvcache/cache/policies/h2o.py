@@ -47,9 +47,13 @@ class H2OCache(EvictingCache):
 
     def __init__(self, spec: CacheSpec, options: H2OOptions) -> None:
         require_room(spec, "recent + sinks", options.recent + options.sinks, " to leave room for heavy hitters")
-        # How many queries saw each token is needed (and kept) only to normalize.
-        self.stats = ("score", "seen") if options.normalize else ("score",)
+        self.stats = self.stat_names(options)
         super().__init__(spec, options)
+
+    @staticmethod
+    def stat_names(options: H2OOptions) -> tuple[str, ...]:
+        """The per-slot statistics kept: how many queries saw each token only to normalize."""
+        return ("score", "seen") if options.normalize else ("score",)
 
     def observe(self, c: Candidates) -> None:
         mass = c.mass
@@ -60,11 +64,20 @@ class H2OCache(EvictingCache):
             c.stats["seen"] += c.seen
 
     def priority(self, c: Candidates) -> torch.Tensor:
+        # Protected tokens outrank every score (any score + PROTECTED rounds to PROTECTED anyway).
+        return self.heavy(c).masked_fill(self.protected(c), PROTECTED)
+
+    def heavy(self, c: Candidates) -> torch.Tensor:
+        """(B, Hp, N) the accumulated attention of each candidate (per query that saw it, with
+        ``normalize``)."""
         score = c.stats["score"]
         if self.options.normalize:
             score = score / c.stats["seen"].clamp(min=1.0)
+        return score
+
+    def protected(self, c: Candidates) -> torch.Tensor:
+        """(B, Hp, N) bool: the recent tokens and the sinks, kept whatever their score."""
         protected = c.positions > c.newest - self.options.recent
         if self.options.sinks:
             protected |= c.positions < self.options.sinks
-        # Protected tokens outrank every score (any score + PROTECTED rounds to PROTECTED anyway).
-        return score.masked_fill(protected, PROTECTED)
+        return protected

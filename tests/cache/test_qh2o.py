@@ -1,0 +1,79 @@
+"""qh2o (quantization-aware H2O): H2O's score against each token's quantization error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvcache
+from kvcache.cache import CacheSpec, KVCache
+from kvcache.cache.policies.qh2o import QH2OCache, QH2OOptions
+from policy_util import EXACT_ATOL, build_tiny, ids_for, kept, max_diff
+
+ATOL = EXACT_ATOL[torch.float32]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return build_tiny(tmp_path_factory.mktemp("qh2o_tiny"), layers=2, max_positions=4096, seed=5)
+
+
+@pytest.mark.parametrize("storage", ["", ":int4"])
+def test_weight_one_is_h2o(tiny, storage):
+    """With all the weight on the H2O score, qh2o keeps what h2o keeps and computes the same."""
+    ids = ids_for(70, seed=4, vocab=tiny.config.vocab_size)
+    schedule = [24] + [1] * 30 + [9] + [1] * 7
+    caches = {name: kvcache.make_cache(tiny, name + storage, cache_length=12, recent=3, **extra)
+              for name, extra in (("h2o", {}), ("qh2o", {"weight": 1.0}))}
+    logits = {}
+    with torch.inference_mode():
+        for name, cache in caches.items():
+            done, out = 0, []
+            for n in schedule:
+                out.append(tiny(ids[:, done : done + n], cache))
+                done += n
+            logits[name] = torch.cat(out, dim=1)
+    for a, b in zip(caches["h2o"].layers, caches["qh2o"].layers):
+        assert kept(a, 0) == kept(b, 0)
+    assert max_diff(logits["h2o"], logits["qh2o"]) <= ATOL
+
+
+def test_weight_zero_keeps_the_tokens_that_quantize_best():
+    """Constant vectors quantize without error; with the weight on the error alone, every one
+    of them outranks every random one, and the recent tokens stay whatever their error."""
+    H, D, C = 2, 16, 8
+    spec = CacheSpec(batch_size=1, num_kv_heads=H, head_dim=D, cache_length=C, dtype=torch.float32,
+                     device=torch.device("cpu"))
+    layer = QH2OCache(spec, QH2OOptions(recent=2, weight=0.0, bits=2))
+    cache = KVCache([layer], spec, "qh2o")
+    gen = torch.Generator().manual_seed(0)
+    T = 12
+    k = torch.randn(1, H, T, D, generator=gen)
+    v = torch.randn(1, H, T, D, generator=gen)
+    easy = [0, 2, 4, 6, 8]
+    k[:, :, easy] = torch.randn(1, H, len(easy), 1, generator=gen).expand(-1, -1, -1, D)
+    v[:, :, easy] = 0.5
+    step = cache.begin(torch.zeros(1, T, dtype=torch.long), None)
+    with torch.inference_mode():
+        layer.attend(torch.randn(1, 2 * H, T, D, generator=gen), k, v, step)
+    cache.commit(step)
+    for held in kept(layer, 0):
+        assert set(easy) | {10, 11} <= set(held)
+        assert len(set(held) - set(easy) - {10, 11}) == 1  # the random token with the smallest error
+
+
+def test_error_is_measured_before_quantization(tiny):
+    """Over a quantized storage the error is the model's keys and values against their codes, not
+    the stored codes against themselves (which would be zero)."""
+    cache = kvcache.make_cache(tiny, "qh2o:int4", cache_length=16, recent=4)
+    with torch.inference_mode():
+        tiny(ids_for(40, seed=2, vocab=tiny.config.vocab_size), cache)
+    for layer in cache.layers:
+        held = layer.storage.pos[:, :, :16] >= 0
+        assert bool((layer.stat["error"][..., :16][held] > 0).all())
+
+
+@pytest.mark.parametrize("options,message", [({"weight": 1.5}, "weight must lie in"), ({"bits": 3}, "bits")])
+def test_bad_options(tiny, options, message):
+    with pytest.raises(ValueError, match=message):
+        kvcache.make_cache(tiny, "qh2o", cache_length=16, **options)
