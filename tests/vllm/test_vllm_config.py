@@ -68,3 +68,14 @@ def test_rule_keeps_the_blocks_kvcache_keeps(llama, raw):
         held = sorted({int(p) // BLOCK for p in pos[pos >= 0]})
         assert list(rule.kept_blocks(n)) == held, f"after {n} tokens"
     assert rule.kept_blocks(50) == (0, 1)  # within the budget nothing is evicted
+
+
+def test_vllm_versions_outside_the_range_are_refused():
+    pytest.importorskip("packaging")
+    from kvcache.vllm import version
+
+    for good in ("0.32.0", "0.32.3", "0.32.0+cpu"):
+        version.check(good)
+    for bad in ("0.31.9", "0.33.0", "1.0.0"):
+        with pytest.raises(RuntimeError, match=f"supports vLLM >= 0.32.0, < 0.33 .* this is vLLM {bad}"):
+            version.check(bad)
