@@ -575,7 +575,18 @@ KEPT_PAIRS = [
     Pair("KeyDiffPress", {}, "keydiff", {"recent": 0, "sinks": 0}),
     Pair("RandomPress", {"seed": 3}, "random", {"score_seed": 3, "recent": 0, "sinks": 0}),
     Pair("LagKVPress", {"n_sink": 4, "lag_size": 64}, "lagkv", {"sinks": 4, "lag": 64}),
+    # CriticalKVPress wraps a press (named in press_kwargs["press"]), kvcache's critical a policy.
+    Pair("CriticalKVPress", {"press": "KnormPress"}, "critical", {"base": "knorm"}),
+    Pair("CriticalKVPress", {"press": "KeyDiffPress"}, "critical", {"base": "keydiff"}),
 ]
+
+
+def make_kept_press(pair: Pair, ratio: float):
+    import kvpress
+
+    if pair.press == "CriticalKVPress":
+        return kvpress.CriticalKVPress(getattr(kvpress, pair.press_kwargs["press"])(compression_ratio=ratio))
+    return getattr(kvpress, pair.press)(compression_ratio=ratio, **pair.press_kwargs)
 
 
 @torch.inference_mode()
@@ -585,7 +596,6 @@ def kept_check(model_dir: Path, ids: list[int], ratios: list[float]) -> list[dic
     head, as ``ScorerPress.compress``) against those kvcache's policy keeps after compressing the
     same ids in one chunk. ``identical_heads`` is the share of (layer, head) whose kept sets are
     equal; ``position_overlap`` the share of kvpress's kept positions kvcache keeps too."""
-    import kvpress
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -595,7 +605,7 @@ def kept_check(model_dir: Path, ids: list[int], ratios: list[float]) -> list[dic
     rows = []
     for pair in KEPT_PAIRS:
         for ratio in ratios:
-            press = getattr(kvpress, pair.press)(compression_ratio=ratio, **pair.press_kwargs)
+            press = make_kept_press(pair, ratio)
             kept = max(1, int(len(ids) * (1 - ratio)))
             cache = kvcache.make_cache(model, pair.policy, cache_length=kept, **pair.options)
             model(x, cache, last_only=True)
@@ -610,10 +620,11 @@ def kept_check(model_dir: Path, ids: list[int], ratios: list[float]) -> list[dic
                     same += a == b
                     overlap += len(a & b)
                     total += 1
-            rows.append({"press": pair.press, "policy": pair.policy, "ratio": ratio, "tokens": len(ids),
+            name = f"{pair.press}({pair.press_kwargs['press']})" if pair.press == "CriticalKVPress" else pair.press
+            rows.append({"press": name, "policy": pair.policy, "options": pair.options, "ratio": ratio, "tokens": len(ids),
                          "kept": kept, "identical_heads": same / total,
                          "position_overlap": overlap / (total * kept)})
-            log(f"kept {pair.press:<14} {ratio:<5} identical heads {same}/{total}")
+            log(f"kept {name:<30} {ratio:<5} identical heads {same}/{total}")
     return rows
 
 
@@ -653,8 +664,9 @@ def main(argv=None) -> None:
     ap.add_argument("--tokenizer-from", type=Path, default=ROOT / "data" / "tokenizer",
                     help="tokenizer.json + tokenizer_config.json to copy for --make-tiny")
     ap.add_argument("--kept-check", action="store_true",
-                    help="only compare the kept positions of KnormPress, KeyDiffPress, RandomPress and LagKVPress "
-                         "with kvcache's knorm, keydiff, random and lagkv on the first --lengths tokens of the texts")
+                    help="only compare the kept positions of KnormPress, KeyDiffPress, RandomPress, LagKVPress and "
+                         "CriticalKVPress with kvcache's knorm, keydiff, random, lagkv and critical on the first "
+                         "--lengths tokens of the texts")
     args = ap.parse_args(argv)
     if args.make_tiny:
         make_tiny(args.make_tiny, args.tokenizer_from)

@@ -54,6 +54,9 @@ class CacheSpec:
     reserve: int = 0
     # Positions per block of eviction: an evicting policy keeps whole aligned blocks (blocks.py).
     block: int = 1
+    # (hidden, Hq * D) this layer's output projection weight, for policies that weigh a value by
+    # what it adds to the layer's output (critical); None where the model does not give it.
+    out_proj: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.batch_size <= 0:
@@ -63,14 +66,17 @@ class CacheSpec:
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, *, batch_size: int, cache_length: int, storage: str = "full",
-                  reserve: int = 0, block: int = 1) -> CacheSpec:
+                  reserve: int = 0, block: int = 1, layer: int | None = None) -> CacheSpec:
         """The geometry of a cache for ``model`` (a ``Transformer``): its K/V heads, head size,
-        dtype, device, sliding window and rotary frequencies. The one place they are read."""
+        dtype, device, sliding window and rotary frequencies, and with ``layer`` that layer's
+        output projection (when the model has ``layers``). The one place they are read."""
         cfg, weight = model.config, model.embed_tokens.weight
+        layers = getattr(model, "layers", None)
+        out_proj = None if layer is None or layers is None else layers[layer].self_attn.o_proj.weight
         return cls(batch_size=batch_size, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                    cache_length=cache_length, dtype=weight.dtype, device=weight.device,
                    window=cfg.sliding_window, inv_freq=model.inv_freq, storage=storage, reserve=reserve,
-                   block=block)
+                   block=block, out_proj=out_proj)
 
 
 @dataclass(frozen=True)
@@ -348,6 +354,10 @@ class KVCache:
         for layer in self.layers:
             layer.advance_decode()
 
+    # Under inference mode, as snapshots are taken and restored: a call run under it (generate's)
+    # leaves layers holding inference tensors (an evicting cache's held counts, a policy's
+    # statistics), which nothing outside inference mode may change in place.
+    @torch.inference_mode()
     def reset(self) -> None:
         self.lengths.zero_()
         for layer in self.layers:

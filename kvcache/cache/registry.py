@@ -214,7 +214,7 @@ def make_cache(
     layers: list[LayerCache] = []
     for i, budget in enumerate(budgets):
         spec = CacheSpec.for_model(model, batch_size=batch_size, cache_length=budget, storage=storage, reserve=reserve,
-                                  block=block)
+                                  block=block, layer=i)
         heads = None if head_budgets is None else head_budgets[i]
         try:
             layers.append(_layer(cls, spec, options, heads))

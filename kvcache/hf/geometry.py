@@ -75,15 +75,22 @@ def read(model: torch.nn.Module) -> Geometry:
                     inv_freq=inv_freq, rope_note=note, dtype=weight.dtype, device=weight.device)
 
 
-def as_kvcache_model(g: Geometry) -> SimpleNamespace:
+def as_kvcache_model(g: Geometry, model: torch.nn.Module | None = None) -> SimpleNamespace:
     """The attributes of a ``kvcache.Transformer`` that ``kvcache.make_cache`` reads to size a
     cache (``config`` fields, the embedding weight's dtype and device, ``inv_freq``), so that
     budgets, allocation, head budgets and reserve are computed and checked as for kvcache's own
-    model, by the same code."""
+    model, by the same code; with ``model``, its layers' output projections (``self_attn.o_proj``,
+    for policies that weigh values by them) where every decoder layer has one."""
     config = SimpleNamespace(num_layers=g.num_layers, num_kv_heads=g.num_kv_heads, head_dim=g.head_dim,
                              sliding_window=g.window)
     weight = torch.empty(0, dtype=g.dtype, device=g.device)
-    return SimpleNamespace(config=config, embed_tokens=SimpleNamespace(weight=weight), inv_freq=g.inv_freq)
+    found = SimpleNamespace(config=config, embed_tokens=SimpleNamespace(weight=weight), inv_freq=g.inv_freq)
+    decoder = model.get_decoder() if model is not None and hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if layers is not None and len(layers) == g.num_layers and all(
+            isinstance(getattr(getattr(layer, "self_attn", None), "o_proj", None), torch.nn.Linear) for layer in layers):
+        found.layers = layers
+    return found
 
 
 def _window(config, name: str) -> int | None:

@@ -42,7 +42,7 @@ def make_cache(
     """
     g = geometry.read(model)
     try:
-        kv = make_kvcache(geometry.as_kvcache_model(g), policy, cache_length=cache_length, batch_size=batch_size,
+        kv = make_kvcache(geometry.as_kvcache_model(g, model), policy, cache_length=cache_length, batch_size=batch_size,
                           prompt_length=prompt_length, allocation=allocation, head_budgets=head_budgets,
                           reserve=reserve, **options)
     except ValueError as e:

@@ -1,0 +1,99 @@
+"""critical: CriticalKV over a scoring policy (Feng et al. 2025, kvpress's CriticalKVPress).
+
+A token's worth is not only how much attention it gets but what its value adds to the layer's
+output: the value projected by the output projection, ``V_h W_o,h``. CriticalKV keeps tokens in
+two stages over the ``k`` a row keeps: the ``int(first_stage * k)`` best by the base policy's
+score, then the rest by the base score times the L1 norm of ``V_h W_o,h`` (averaged over the
+query heads of each K/V head), plus ``epsilon``. ``base`` is any policy whose scores need only
+the competing tokens (no running statistics of its own), with the options its paper sets at the
+budget (``budget_options``). Needs the layer's output projection, which kvcache's own model
+gives the cache (``CacheSpec.out_proj``); caches made through kvcache.hf do not have it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from ..base import CacheSpec
+from ..candidates import Candidates
+from ..evicting import EvictingCache
+from ..options import option
+
+BASES = ("knorm", "keydiff", "lagkv", "random", "h2o", "tova", "snapkv")
+
+
+@dataclass(frozen=True)
+class CriticalOptions:
+    base: str = option("knorm", "the policy whose scores are reweighted", BASES)
+    first_stage: float = option(0.5, "share of the kept tokens chosen by the base score alone")
+    epsilon: float = option(1e-4, "added to a base score before it is weighted by the projected value norm")
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.first_stage <= 1:
+            raise ValueError(f"first_stage is a share of the kept tokens, in [0, 1], got {self.first_stage}")
+        if self.epsilon < 0:
+            raise ValueError(f"epsilon must be >= 0, got {self.epsilon}")
+
+
+def projected_value_norms(values: torch.Tensor, out_proj: torch.Tensor) -> torch.Tensor:
+    """(B, Hkv, N): the L1 norm of each value times its query heads' slice of the output
+    projection, averaged over the query heads of each K/V head. values (B, Hkv, N, D),
+    out_proj (hidden, Hq * D)."""
+    B, Hkv, N, D = values.shape
+    Hq = out_proj.shape[1] // D
+    wo = out_proj.detach().float().t().reshape(Hq, D, -1)  # (Hq, D, hidden); scores carry no gradient
+    group = Hq // Hkv
+    norms = []
+    for h in range(Hq):  # one head at a time: a (B, N, hidden) product, not (B, Hq, N, hidden)
+        norms.append((values[:, h // group].float() @ wo[h]).abs().sum(-1))  # (B, N)
+    return torch.stack(norms, 1).reshape(B, Hkv, group, N).mean(2)
+
+
+class CriticalCache(EvictingCache):
+    name = "critical"
+    description = "CriticalKV: a base policy's scores reweighted by projected value norms (CriticalKVPress)"
+    Options = CriticalOptions
+    per_head = True
+
+    def __init__(self, spec: CacheSpec, options) -> None:
+        from ..registry import budget_options, policy_class
+
+        if spec.out_proj is None:
+            raise ValueError("critical needs the layer's output projection, which kvcache's own model gives "
+                             "(kvcache.make_cache); a cache made through kvcache.hf has none")
+        base = policy_class(options.base)
+        # The base only scores: it is given one slot (no buffers worth the name) and skips its own
+        # constructor, whose checks are of the room its options need in this cache's budget.
+        settings = base.Options(**budget_options(options.base, spec.cache_length))
+        self.base = base.__new__(base)
+        EvictingCache.__init__(self.base, dataclasses.replace(spec, cache_length=1, reserve=0, block=1), settings)
+        # What the base needs from the machinery, it gets through this cache.
+        self.stats = base.stats
+        self.needs_attention = base.needs_attention
+        self.observe_every_step = base.observe_every_step
+        super().__init__(spec, options)
+        self._observes = self.base._observes
+
+    def observe(self, c: Candidates) -> None:
+        self.base.observe(c)
+
+    def priority(self, c: Candidates) -> torch.Tensor:
+        B, H, N, _ = c.keys.shape
+        self.base.held = self.held  # a base that counts what a row keeps (lagkv) counts this cache's
+        self.base.spec = self.spec
+        score = self.base.priority(c).float().masked_fill(c.empty, float("-inf"))
+        added = c.step.n_tokens if c.step.n_tokens is not None else torch.ones(B, dtype=torch.long)
+        total = self.held + added.cpu()
+        C = self.spec.cache_length
+        room = torch.where(total > C, C - self.spec.reserve, total)  # what each row keeps
+        weighted = (score + self.options.epsilon) * projected_value_norms(c.values, self.spec.out_proj)
+        top = torch.finfo(torch.float32).max
+        for b in range(B):
+            first = int(int(room[b]) * self.options.first_stage)
+            if first:
+                chosen = score[b].topk(first, dim=-1).indices
+                weighted[b].scatter_(-1, chosen, top)
+        return weighted
