@@ -628,6 +628,78 @@ def kept_check(model_dir: Path, ids: list[int], ratios: list[float]) -> list[dic
     return rows
 
 
+# ---------------------------------------------------------------------------------------------
+# RULER side by side: the same RULER prompts (kvcache.eval.ruler), query-agnostic
+
+
+def ruler_side_by_side(args) -> dict:
+    """Per RULER task, press and ratio: each engine's score (RULER's string_match_all, exactly
+    ``max_new_tokens`` greedy tokens, no stop token, on both sides) and seconds, and the share of
+    samples on which the two engines answer with the same tokens."""
+    import transformers
+
+    from kvcache.eval import ruler
+    from kvcache.eval.sample import encode
+    from kvcache.eval.scoring import score
+
+    torch.set_num_threads(args.threads)
+    transformers.utils.logging.disable_progress_bar()
+    tok = kvcache.load_tokenizer(args.model)
+    model = kvcache.load(args.model, dtype=torch.float32)
+    hf = transformers.LlamaForCausalLM.from_pretrained(args.model, dtype=torch.float32,
+                                                       attn_implementation="sdpa").eval()
+    length = args.lengths[0]
+    samples = {t: ruler.samples(t, tok, length, args.samples, args.seed) for t in args.ruler}
+    pairs = [p for p in PAIRS + KEPT_PAIRS[1:] if args.presses is None or p.press in args.presses
+             or (p.press == "no press" and "dense" in args.presses)]
+    rows = []
+    for pair in pairs:
+        for ratio in ([0.0] if pair.policy == "dense" else args.ratios):
+            for task, found in samples.items():
+                out = {"kvpress": [0.0, 0.0], "kvcache": [0.0, 0.0]}
+                same = 0
+                for sample in found:
+                    enc = encode(tok, sample)
+                    prompt, context, n_new = enc.ids, len(enc.context), sample.max_new_tokens
+                    kept = context if pair.policy == "dense" else kept_tokens(context, ratio)
+                    x = torch.tensor([prompt])
+                    press = None if pair.press == "no press" else (
+                        make_kept_press(pair, ratio) if pair in KEPT_PAIRS else make_press(pair, ratio))
+                    start = time.perf_counter()
+                    with attention(hf, pair.eager):
+                        theirs = kvpress_answer(hf, press, x[:, :context], x[:, context:], n_new)
+                    out["kvpress"][1] += time.perf_counter() - start
+                    start = time.perf_counter()
+                    ours = kvcache_answer(model, pair, prompt, context, kept, n_new)
+                    out["kvcache"][1] += time.perf_counter() - start
+                    for engine, answer in (("kvpress", theirs), ("kvcache", ours)):
+                        out[engine][0] += score("string_match_all", tok.decode(answer), sample.answers)
+                    same += theirs == ours
+                n = len(found)
+                name = f"{pair.press}({pair.press_kwargs['press']})" if pair.press == "CriticalKVPress" else pair.press
+                rows.append({"press": name, "policy": pair.policy, "ratio": ratio, "task": task, "samples": n,
+                             "kvpress_score": out["kvpress"][0] / n, "kvcache_score": out["kvcache"][0] / n,
+                             "kvpress_s": out["kvpress"][1], "kvcache_s": out["kvcache"][1],
+                             "same_answer": same / n})
+                log(f"ruler {name:<28} {ratio:<5} {task:<16} kvpress {rows[-1]['kvpress_score']:5.1f} "
+                    f"({rows[-1]['kvpress_s']:.1f}s)  kvcache {rows[-1]['kvcache_score']:5.1f} "
+                    f"({rows[-1]['kvcache_s']:.1f}s)  same answer {same}/{n}")
+    return {"ruler": rows, "length": length, "samples": args.samples, "seed": args.seed, "threads": args.threads,
+            "torch": torch.__version__, "transformers": transformers.__version__}
+
+
+def ruler_markdown(report: dict) -> str:
+    lines = [f"RULER at {report['length']} tokens, {report['samples']} sample(s) per task, query-agnostic, "
+             f"{report['threads']} thread(s); score 0-100 (string_match_all), seconds summed over samples", "",
+             "| press | kvcache policy | ratio | task | kvpress score | kvcache score | same answer | kvpress s | kvcache s |",
+             "|---|---|---:|---|---:|---:|---:|---:|---:|"]
+    for r in report["ruler"]:
+        lines.append(f"| {r['press']} | {r['policy']} | {r['ratio']:g} | {r['task']} | {r['kvpress_score']:.1f} | "
+                     f"{r['kvcache_score']:.1f} | {100 * r['same_answer']:.0f}% | {r['kvpress_s']:.2f} | "
+                     f"{r['kvcache_s']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def floats(s: str) -> list[float]:
     return [float(x) for x in s.split(",") if x]
 
@@ -663,6 +735,9 @@ def main(argv=None) -> None:
                     help="write a tiny random Llama checkpoint to DIR and exit")
     ap.add_argument("--tokenizer-from", type=Path, default=ROOT / "data" / "tokenizer",
                     help="tokenizer.json + tokenizer_config.json to copy for --make-tiny")
+    ap.add_argument("--ruler", type=lambda v: v.split(","), default=None, metavar="TASK,TASK",
+                    help="only run these RULER tasks (kvcache.eval.ruler, at the first --lengths, --samples each) "
+                         "through both engines, query-agnostic: per-task scores and seconds")
     ap.add_argument("--kept-check", action="store_true",
                     help="only compare the kept positions of KnormPress, KeyDiffPress, RandomPress, LagKVPress and "
                          "CriticalKVPress with kvcache's knorm, keydiff, random, lagkv and critical on the first "
@@ -678,10 +753,16 @@ def main(argv=None) -> None:
         ap.error("ratios are kvpress compression ratios in [0, 1)")
     if not (args.model / "config.json").exists():
         ap.error(f"{args.model} is not a checkpoint directory (no config.json)")
-    known = {"dense"} | {p.press for p in PAIRS[1:]}
+    known = {"dense"} | {p.press for p in PAIRS[1:] + KEPT_PAIRS}
     if args.presses and set(args.presses) - known:
         ap.error(f"unknown presses {sorted(set(args.presses) - known)}; choose from {sorted(known)}")
-    if args.kept_check:
+    if args.ruler:
+        report = ruler_side_by_side(args)
+        if args.markdown:
+            args.markdown.parent.mkdir(parents=True, exist_ok=True)
+            args.markdown.write_text(ruler_markdown(report))
+            args.markdown = None
+    elif args.kept_check:
         tok = kvcache.load_tokenizer(args.model)
         ids = read_texts(args.texts, tok)[: args.lengths[0]].tolist()
         report = {"kept_check": kept_check(args.model, ids, args.ratios), "torch": torch.__version__}
