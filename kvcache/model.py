@@ -154,6 +154,14 @@ class Transformer(nn.Module):
         B, T = input_ids.shape
         if T == 0:
             raise ValueError("input_ids has no tokens (shape (batch, 0))")
+        # Before the ids are read: reading them on another device fails inside torch, unclearly.
+        # A model that is not the cache's is named first (its device may be the one that differs).
+        if cache is not None:
+            cache.check_model(self)
+        device = self.embed_tokens.weight.device
+        if input_ids.device != device:
+            raise ValueError(f"input_ids is on {input_ids.device} but the model is on {device}; move the ids "
+                             f"to {device} (ids.to({str(device)!r}))")
         self.check_token_ids(input_ids)
         if cache is None:
             if n_tokens is not None:
@@ -163,7 +171,7 @@ class Transformer(nn.Module):
             last = torch.full((B,), T - 1, device=input_ids.device)
             self.warn_past_max_positions(T)
         else:
-            step = cache.begin(input_ids, n_tokens, model=self)
+            step = cache.begin(input_ids, n_tokens)
             positions = step.positions  # (B, T)
             last = step.last_index
             self.warn_past_max_positions(step.span_end)
