@@ -45,6 +45,8 @@ class DenseCache(LayerCache):
             store.write_slice(step.start0, k, v, step.positions)
         else:
             store.write(step.append_slot, k, v, step.positions)
+            # Padding went to the scratch slot: it holds no token (as after an evicting cache's write).
+            store.pos[:, :, self.spec.cache_length] = -1
         if step.fresh and readback:
             return attention.causal(q, k, v, window=self.spec.window)
         if T > 1 and store.packed and not store.exact_roundtrip:
