@@ -231,6 +231,10 @@ def decode(
     """
     B, Hq, _, D = q.shape
     H = k.shape[1]
+    if k.shape[2] == 0:
+        # No slot at all (a chunk of padding alone into an empty cache): nothing is attended,
+        # as with the full-precision kernels.
+        return torch.zeros_like(q), (q.new_zeros(B, H, 0, dtype=torch.float32) if want_mass else None)
     G = Hq // H
     scale = D**-0.5
     qr = q.float().reshape(B, H, G, D) * scale
