@@ -278,6 +278,8 @@ def _add_eval(commands) -> None:
     ev.add_argument("--benchmark", choices=("passkey", "ruler", "dataset"),
                     help="what to run (default: dataset with --dataset, else passkey)")
     ev.add_argument("--model", metavar="DIR", help="checkpoint directory (default: bundled)")
+    ev.add_argument("--dtype", choices=DTYPES, help="default: float32 on CPU, the checkpoint's elsewhere")
+    ev.add_argument("--device", type=_device, default="cpu", help="e.g. cpu, cuda, cuda:1 (default: cpu)")
     ev.add_argument("--texts", metavar="DIR",
                     help="held-out .txt files for streaming, passkey filler and RULER's essay haystack (default: the "
                          "ones packaged in kvcache/data/texts)")
@@ -666,7 +668,7 @@ def _eval(args: argparse.Namespace) -> None:
     out = out_dir(args.out)  # before anything is loaded: a bad --out fails at once
     if not args.no_plots:
         _require_matplotlib()
-    run(args, out, progress=sys.stderr.isatty())
+    run(args, out, _dtype(args.dtype, args.device), progress=sys.stderr.isatty())
 
 
 # --- kvcache policies ---

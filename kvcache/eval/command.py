@@ -48,18 +48,19 @@ def benchmark(args) -> str:
     return "dataset" if args.dataset is not None else "passkey"
 
 
-def run(args, out: Path, progress: bool) -> None:
+def run(args, out: Path, dtype: torch.dtype | None, progress: bool) -> None:
+    """``dtype``: what the model is loaded in (None: the checkpoint's), on ``args.device``."""
     kind = benchmark(args)
     sweep_only = ("ratios", "tasks", "protocols", "samples", "seed", "metric")
     if kind == "passkey":
         given = [f"--{k}" for k in sweep_only if getattr(args, k) not in (None, False)] + (["--chat"] if args.chat else [])
         if given:
             raise ValueError(f"{', '.join(given)} apply to --benchmark ruler or dataset, not passkey")
-        return _passkey(args, out, progress)
+        return _passkey(args, out, dtype, progress)
     given = [f"--{k.replace('_', '-')}" for k in ("depths", "trials", "stream_tokens") if getattr(args, k) is not None]
     if given:
         raise ValueError(f"{', '.join(given)} apply to --benchmark passkey only")
-    return _sweep(args, kind, out, progress)
+    return _sweep(args, kind, out, dtype, progress)
 
 
 def _ratios(args) -> list[float]:
@@ -75,7 +76,7 @@ def _ratios(args) -> list[float]:
     return ratios
 
 
-def _sweep(args, kind: str, out: Path, progress: bool) -> None:
+def _sweep(args, kind: str, out: Path, dtype: torch.dtype | None, progress: bool) -> None:
     from ..cache.registry import policies as registered
 
     bench = Bench.make(kind, texts=args.texts, dataset=args.dataset, metric=args.metric, chat=args.chat)
@@ -108,14 +109,15 @@ def _sweep(args, kind: str, out: Path, progress: bool) -> None:
     cells = sweep.plan(policies, ratios, tasks, lengths, protocols, samples, args.seed or 0)
     model_name = args.model or f"bundled ({BUNDLED_MODEL.name})"
     tokenizer = load_tokenizer(args.model)
-    model = load(args.model, dtype=torch.float32)
+    model = load(args.model, dtype=dtype, device=args.device)
     done = len(cells) - len(sweep.pending(cells, bench, out))
     print(f"kvcache eval: {len(cells)} cells ({done} already in {out}/cells), writing to {out}/", file=sys.stderr)
     results = sweep.run(model, tokenizer, cells, bench, out, progress=progress)
     header = {"benchmark": kind, "model": model_name, "lengths": ", ".join(map(str, lengths)) if kind == "ruler"
               else "as in the dataset", "samples per task": samples, "seed": args.seed or 0,
               "protocols": ", ".join(protocols), "ratios (fraction removed)": ", ".join(f"{r:g}" for r in ratios),
-              "chat template": "yes" if args.chat else "no"}
+              "chat template": "yes" if args.chat else "no",
+              "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "device": str(args.device)}
     if kind == "dataset" or args.dataset:
         header["dataset"] = args.dataset
     table = leaderboard.markdown(results, header)
@@ -131,7 +133,7 @@ def _sweep(args, kind: str, out: Path, progress: bool) -> None:
     print(f"wrote {out}/: {', '.join(written)}", file=sys.stderr)
 
 
-def _passkey(args, out: Path, progress: bool) -> None:
+def _passkey(args, out: Path, dtype: torch.dtype | None, progress: bool) -> None:
     from ..evaluate import Grid, evaluate, markdown
     from ..tasks import read_texts
 
@@ -144,9 +146,9 @@ def _passkey(args, out: Path, progress: bool) -> None:
     grid = Grid(**{**grid.__dict__, **overrides})
     print(f"kvcache eval: writing the report to {out}/ (--out DIR to change)", file=sys.stderr)
     tokenizer = load_tokenizer(args.model)
-    model = load(args.model, dtype=torch.float32)
+    model = load(args.model, dtype=dtype, device=args.device)
     stream = read_texts(args.texts, tokenizer)
-    report = evaluate(model, tokenizer, stream, stream, grid, progress=progress)
+    report = evaluate(model, tokenizer, stream, stream.to(args.device), grid, progress=progress)
     report["header"] = {"model": args.model or f"bundled ({BUNDLED_MODEL.name})",
                         "lengths": ", ".join(map(str, grid.lengths)), "trials": grid.trials,
                         "depths": ", ".join(f"{d:g}" for d in grid.depths),
