@@ -128,3 +128,18 @@ def test_a_length_too_short_is_a_clear_error(tokenizer):
 def test_unknown_task_is_named(tokenizer):
     with pytest.raises(ValueError, match="unknown RULER task 'niah'"):
         ruler.make("niah", tokenizer, 1024)
+
+
+def test_chat_template_wraps_the_prompt_and_counts_in_the_length(tokenizer):
+    import dataclasses
+
+    template = ("{% for m in messages %}<|user|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    chat = dataclasses.replace(tokenizer, chat_template=template)
+    sample = ruler.make("niah_single_2", chat, 1024, chat=True)
+    enc = encode(chat, sample, chat=True)
+    assert chat.decode(enc.context).startswith("<|user|>\nA special magic number")
+    assert chat.decode(enc.question).endswith("<|end|>\n<|assistant|>\n")
+    assert 1024 * 0.98 <= len(enc) + sample.max_new_tokens <= 1024
+    plain = encode(chat, sample)
+    assert len(enc) > len(plain)
