@@ -54,6 +54,7 @@ def run(args, out: Path, dtype: torch.dtype | None, progress: bool) -> None:
     sweep_only = ("ratios", "tasks", "protocols", "samples", "seed", "metric")
     if kind == "passkey":
         given = [f"--{k}" for k in sweep_only if getattr(args, k) not in (None, False)] + (["--chat"] if args.chat else [])
+        given += ["--ray"] if args.ray is not None else []
         if given:
             raise ValueError(f"{', '.join(given)} apply to --benchmark ruler or dataset, not passkey")
         return _passkey(args, out, dtype, progress)
@@ -112,7 +113,13 @@ def _sweep(args, kind: str, out: Path, dtype: torch.dtype | None, progress: bool
     model = load(args.model, dtype=dtype, device=args.device)
     done = len(cells) - len(sweep.pending(cells, bench, out))
     print(f"kvcache eval: {len(cells)} cells ({done} already in {out}/cells), writing to {out}/", file=sys.stderr)
-    results = sweep.run(model, tokenizer, cells, bench, out, progress=progress)
+    if args.ray is None:
+        results = sweep.run(model, tokenizer, cells, bench, out, progress=progress)
+    else:
+        from . import ray_sweep
+
+        results = ray_sweep.run(args.model, cells, bench, out, address=args.ray or None, threads=args.threads or 1,
+                                dtype=dtype, device=args.device, progress=progress)
     header = {"benchmark": kind, "model": model_name, "lengths": ", ".join(map(str, lengths)) if kind == "ruler"
               else "as in the dataset", "samples per task": samples, "seed": args.seed or 0,
               "protocols": ", ".join(protocols), "ratios (fraction removed)": ", ".join(f"{r:g}" for r in ratios),
