@@ -25,12 +25,16 @@ entries: a dense node only once nothing extends it, a snapshot at any time.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import itertools
 import json
 import math
 import os
+import re
+import stat
+import time
 import warnings
 import weakref
 from collections.abc import Mapping, Sequence
@@ -52,6 +56,13 @@ FORMAT = "kvcache-prefix-store"
 VERSION = 1
 INDEX = "index.json"
 ENTRY_PREFIX = "entry-"
+# Held while a store directory is written (exclusively) or read (shared), see ``_locked``.
+LOCK = ".lock"
+LOCK_TIMEOUT = 60.0
+# Sizes a store of someone else's making may not exceed before anything is allocated for it.
+MAX_INDEX_BYTES = 256 << 20
+MAX_HEADER_BYTES = 1 << 20
+SHA256 = re.compile(r"[0-9a-f]{64}")
 # Elements sampled from each weight tensor for the model fingerprint: enough to tell checkpoints
 # apart, cheap even for billions of parameters.
 FINGERPRINT_SAMPLES = 4096
@@ -460,13 +471,26 @@ class PrefixStore:
                 check_snapshot(cache, node.snapshot, torch.tensor([0]))
 
     # ----- saving and loading -----------------------------------------------------------------
-    def save(self, path: str | Path) -> None:
+    def save(self, path: str | Path, *, timeout: float = LOCK_TIMEOUT) -> None:
         """Write the store to directory ``path``: ``index.json`` (the model's fingerprint, the
         binding, the tree) and one safetensors file per entry, named by its content's sha256, so a
-        save rewrites only new entries. The index is replaced last and atomically; entry files it
-        no longer names are then removed. One writer at a time."""
+        save rewrites only new entries.
+
+        Crash-safe: every file is written under a temporary name, flushed to disk and renamed into
+        place; the index is replaced last, so a process killed at any point leaves the old store
+        or the new one, never a mix. Entry files the new index no longer names are removed only
+        after it is in place. One writer at a time: the directory is locked (``.lock``) while it
+        is written, and a second writer waits up to ``timeout`` seconds, then raises
+        PrefixStoreError."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
+        with _locked(path, exclusive=True, timeout=timeout):
+            self._save(path)
+
+    def _save(self, path: Path) -> None:
+        # Temporary files of a writer that died mid-save (the lock is ours: no one else writes).
+        for stale in path.glob(".*.tmp"):
+            stale.unlink(missing_ok=True)
         old = _existing_files(path)
         entries = []
         for node in self._ordered():
@@ -487,6 +511,7 @@ class PrefixStore:
         kept = {e["file"] for e in entries if "file" in e}
         for name in old - kept:
             (path / name).unlink(missing_ok=True)
+        _sync_dir(path)
 
     def _ordered(self):
         """Nodes with every parent before its children."""
@@ -497,20 +522,38 @@ class PrefixStore:
 
     @classmethod
     def load(cls, path: str | Path, model: torch.nn.Module, max_bytes: int = DEFAULT_MAX_BYTES, *,
-             device: str | torch.device | None = None) -> PrefixStore:
+             device: str | torch.device | None = None, timeout: float = LOCK_TIMEOUT) -> PrefixStore:
         """A store saved by ``save`` into ``path``, for ``model``. Raises PrefixStoreError if the
         directory holds no store, if the store was made for another model, or if any file is
         missing, corrupt or truncated (every file is checked against its sha256 first): either the
         whole store loads or nothing does. Entries beyond ``max_bytes`` are dropped, least
-        recently used first, with a warning."""
+        recently used first, with a warning.
+
+        The store may come from someone else: only regular files directly inside ``path`` named
+        as ``save`` names them are read (no symlinks, nothing outside), each no larger than its
+        index entry says, and every safetensors header is checked before its data is read. A
+        writer's lock is waited for (up to ``timeout`` seconds), so a store being saved is read
+        whole, before or after."""
         store = cls(model, max_bytes, device=device)
         path = Path(path)
-        index_file = path / INDEX
-        if not index_file.is_file():
+        if not (path / INDEX).is_file():
             raise PrefixStoreError(f"{path} holds no prefix store (no {INDEX})")
+        with _locked(path, exclusive=False, timeout=timeout):
+            store._load(path)
+        dropped = len([n for n in store._nodes() if n.has_payload])
+        while store._nbytes > store.max_bytes:
+            store._drop(min((n for n in store._nodes() if _evictable(n)), key=lambda n: n.used))
+        dropped -= len(store)
+        if dropped:
+            warnings.warn(f"prefix store {path}: {dropped} least recently used entries do not fit "
+                          f"max_bytes={max_bytes} and were left out", stacklevel=2)
+        return store
+
+    def _load(self, path: Path) -> None:
+        store, index_file = self, path / INDEX
         try:
-            index = json.loads(index_file.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            index = json.loads(_read_inside(path, INDEX, MAX_INDEX_BYTES).decode())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:
             raise PrefixStoreError(f"{index_file} is not a readable prefix-store index ({e}); delete {path} "
                                    "to start a new store") from None
         if not isinstance(index, dict) or index.get("format") != FORMAT:
@@ -527,14 +570,6 @@ class PrefixStore:
             store._read(path, index)
         except (ValueError, KeyError, TypeError) as e:
             raise PrefixStoreError(f"the prefix store in {path} is corrupt: {e}") from None
-        dropped = len([n for n in store._nodes() if n.has_payload])
-        while store._nbytes > store.max_bytes:
-            store._drop(min((n for n in store._nodes() if _evictable(n)), key=lambda n: n.used))
-        dropped -= len(store)
-        if dropped:
-            warnings.warn(f"prefix store {path}: {dropped} least recently used entries do not fit "
-                          f"max_bytes={max_bytes} and were left out", stacklevel=2)
-        return store
 
     def _read(self, path: Path, index: dict) -> None:
         """Fill this (empty) store from a parsed index, checking every entry and file."""
@@ -582,21 +617,27 @@ class PrefixStore:
                     raise ValueError(f"{e['file']}: a snapshot after {node.depth} tokens records lengths "
                                      f"{snapshot.lengths.tolist()}")
                 node.snapshot = _to_device(snapshot, self.device)
+            if node.nbytes != e["bytes"]:
+                raise ValueError(f"{e['file']} holds {node.nbytes} bytes of entries; its index entry says {e['bytes']}")
         parent.children[tokens[0]] = node
         self._nbytes += node.nbytes
         return node
 
     @staticmethod
     def _read_file(path: Path, e: dict) -> tuple[dict[str, torch.Tensor], str]:
-        name, digest = e["file"], e["sha256"]
+        name, digest, nbytes = e["file"], e["sha256"], e["bytes"]
         if not isinstance(name, str) or name != _file_name(digest):
             raise ValueError(f"entry {e['id']}: file {name!r} does not match its sha256")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+            raise ValueError(f"entry {e['id']}: bytes must be a non-negative int, got {nbytes!r}")
         try:
-            data = (path / name).read_bytes()
+            # A snapshot's file also holds its lengths (one long), which nbytes does not count.
+            data = _read_inside(path, name, 8 + MAX_HEADER_BYTES + nbytes + 8)
         except OSError as err:
-            raise ValueError(f"cannot read {name}: {err.strerror}") from None
+            raise ValueError(f"cannot read {name}: {err.strerror or err}") from None
         if hashlib.sha256(data).hexdigest() != digest:
             raise ValueError(f"{name} is truncated or damaged (its sha256 differs from the index's)")
+        _check_safetensors(name, data, nbytes)
         try:
             return load_safetensors(data), digest
         except (SafetensorError, ValueError, RuntimeError) as err:
@@ -640,7 +681,8 @@ def _to_device(snapshot: Snapshot, device: torch.device) -> Snapshot:
 
 
 def _file_name(digest: object) -> str:
-    if not isinstance(digest, str) or len(digest) != 64:
+    # Lowercase hex only: the name is built from it, so it can name nothing but a file here.
+    if not isinstance(digest, str) or not SHA256.fullmatch(digest):
         raise ValueError(f"malformed sha256 {digest!r}")
     return f"{ENTRY_PREFIX}{digest[:32]}.safetensors"
 
@@ -650,6 +692,119 @@ def _existing_files(path: Path) -> set[str]:
 
 
 def _write_atomic(target: Path, data: bytes) -> None:
+    """Write ``data`` to ``target`` so that ``target`` is never seen half written, even after a
+    crash or a power loss: a temporary file, flushed to disk, renamed over it, the rename flushed."""
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, target)
+    _sync_dir(target.parent)
+
+
+def _sync_dir(path: Path) -> None:
+    """Flush a directory's entries (renames, removals) to disk, where the platform can."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def _locked(path: Path, *, exclusive: bool, timeout: float):
+    """Hold ``path/.lock``: exclusively to write the store, shared to read it. Waits up to
+    ``timeout`` seconds for another process's lock, then raises PrefixStoreError. The lock
+    is the kernel's (``flock``): a process that dies releases it. Without ``fcntl`` (Windows),
+    or where the lock file cannot be opened (a read-only store), nothing is locked."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    try:
+        fd = os.open(path / LOCK, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    except OSError:
+        if exclusive:
+            raise
+        yield
+        return
+    try:
+        mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, mode | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise PrefixStoreError(
+                        f"another process is {'using' if exclusive else 'writing'} the prefix store in {path} "
+                        f"(it holds {path / LOCK}); waited {timeout:g} s. Wait for it to finish, or save to "
+                        "another directory") from None
+                time.sleep(0.02)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _read_inside(path: Path, name: str, limit: int) -> bytes:
+    """The bytes of the regular file ``name`` directly inside ``path``, refusing a symlink, a
+    device or a pipe, and a file larger than ``limit`` bytes, before reading any of it."""
+    if name != os.path.basename(name) or name in ("", ".", ".."):
+        raise ValueError(f"{name!r} is not a file name inside the store")
+    fd = os.open(path / name, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"{name} is not a regular file")
+        if info.st_size > limit:
+            raise ValueError(f"{name} has {info.st_size} bytes, more than the {limit} its index entry allows")
+        return f.read(limit + 1)[: limit]
+
+
+def _check_safetensors(name: str, data: bytes, nbytes: int) -> None:
+    """Check a safetensors file's header against its size and the entry's ``nbytes`` before
+    safetensors reads it: a header length within the file, known dtypes, and every tensor's
+    shape times its element size equal to its byte range, the ranges tiling the data."""
+    if len(data) < 8:
+        raise ValueError(f"{name} is truncated (no safetensors header)")
+    size = int.from_bytes(data[:8], "little")
+    if size > min(MAX_HEADER_BYTES, len(data) - 8):
+        raise ValueError(f"{name}: its safetensors header claims {size} bytes, but the file has {len(data)}")
+    try:
+        header = json.loads(data[8 : 8 + size])
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{name}: its safetensors header is not JSON ({err})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{name}: its safetensors header is not an object")
+    spans, total = [], 0
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        if not isinstance(info, dict) or info.get("dtype") not in _DTYPE_BYTES:
+            raise ValueError(f"{name}: tensor {key!r} has an unknown dtype "
+                             f"{info.get('dtype') if isinstance(info, dict) else info!r}")
+        shape, offsets = info.get("shape"), info.get("data_offsets")
+        if (not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                   for d in shape)
+                or not isinstance(offsets, list) or len(offsets) != 2
+                or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
+            raise ValueError(f"{name}: tensor {key!r} has a malformed shape or data_offsets")
+        want = math.prod(shape) * _DTYPE_BYTES[info["dtype"]]
+        if offsets[1] - offsets[0] != want:
+            raise ValueError(f"{name}: tensor {key!r} of shape {shape} needs {want} bytes, its offsets give "
+                             f"{offsets[1] - offsets[0]}")
+        spans.append(tuple(offsets))
+        total += want
+    spans.sort()
+    if [a for a, _ in spans] != [0] + [b for _, b in spans[:-1]] or total != len(data) - 8 - size:
+        raise ValueError(f"{name}: its tensors' byte ranges do not tile the file's {len(data) - 8 - size} data bytes")
+    if not nbytes <= total <= nbytes + 8:
+        raise ValueError(f"{name} holds {total} bytes of tensors; its index entry says {nbytes}")
+
+
+# Bytes per element of the safetensors dtypes a store may hold.
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
