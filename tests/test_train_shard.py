@@ -112,18 +112,23 @@ FLAGS = ["--seq-len", "64", "--chunk", "16", "--cache-length", "32", "--policy",
          "--batch-size", "3", "--threads", "1"]
 
 
-def test_torchrun_fsdp_checkpoint_equals_one_process(text_file, tmp_path, capsys):
-    """torchrun -m kvcache finetune --shard fsdp on 2 ranks (3 rows a step: 2 + 1) writes what one
+@pytest.mark.parametrize("how, both, sharded_only", [
+    ("fsdp", [], ["--offload-kv"]),
+    pytest.param("ddp", ["--lora-rank", "2", "--merge-lora"], [], marks=SLOW),
+])
+def test_torchrun_checkpoint_equals_one_process(text_file, tmp_path, capsys, how, both, sharded_only):
+    """torchrun -m kvcache finetune --shard on 2 ranks (3 rows a step: 2 + 1) writes what one
     process writes: the same losses, a checkpoint with the same logits in kvcache and in
     transformers; only rank 0 speaks."""
     from transformers import AutoModelForCausalLM
 
-    assert main(["finetune", "--data", str(text_file), *FLAGS, "--out", str(tmp_path / "one"), "--quiet"]) == 0
+    assert main(["finetune", "--data", str(text_file), *FLAGS, *both, "--out", str(tmp_path / "one"), "--quiet"]) == 0
     capsys.readouterr()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                            "--master-port", str(free_port()), "-m", "kvcache", "finetune", "--data", str(text_file),
-                           *FLAGS, "--out", str(tmp_path / "two"), "--shard", "fsdp", "--dist-timeout", "60"],
+                           *FLAGS, *both, *sharded_only, "--out", str(tmp_path / "two"), "--shard", how,
+                           "--dist-timeout", "60"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stderr.count("wrote the checkpoint") == 1 and done.stderr.count("rows of 64 tokens") == 1
