@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import warnings
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -48,6 +49,14 @@ def _weight_files(path: Path) -> list[Path]:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index} is not a valid safetensors index ({e})") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(n, str) for n in weight_map.values()):
+            raise CheckpointError(f"{index}: weight_map must map tensor names to shard file names")
+        for name in set(weight_map.values()):
+            # A shard is a file of this directory: an index from elsewhere must not make the
+            # loader read other files ("../x", "/etc/x", "sub/../../x").
+            if name in ("", ".", "..") or name != Path(name).name or "\\" in name:
+                raise CheckpointError(f"{index} names shard {name!r}, which is not a file name inside {path}; "
+                                      "shards must sit next to the index")
         files = sorted({path / name for name in weight_map.values()})
         for f in files:
             if not f.exists():
@@ -62,6 +71,8 @@ def _weight_files(path: Path) -> list[Path]:
 def _read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
+        if not f.is_file():  # a pipe or a device would block or never end
+            raise CheckpointError(f"{f} is not a regular file")
         try:
             with safe_open(str(f), framework="pt") as handle:
                 for name in handle.keys():
@@ -69,6 +80,25 @@ def _read_tensors(files: list[Path]) -> dict[str, torch.Tensor]:
         except Exception as e:  # safetensors raises several types for truncated or corrupt files
             raise CheckpointError(f"cannot read {f}: it is corrupt or truncated ({e})") from None
     return tensors
+
+
+def _check_config_against_weights(cfg: ModelConfig, tensors: Mapping[str, torch.Tensor], path: Path) -> None:
+    """Before a model of ``cfg``'s shape is built (on the meta device, which costs nothing per
+    parameter but a Python module per layer): a config.json claiming more layers than the
+    weights hold is refused, instead of building millions of empty layers, and one whose
+    sizes the embedding does not have, before torch computes sizes from them."""
+    held = {int(m.group(1)) for name in tensors if (m := _LAYER.match(name))}
+    if cfg.num_layers > len(held):
+        raise CheckpointError(f"{path / 'config.json'} says num_hidden_layers={cfg.num_layers}, but the "
+                              f"checkpoint holds tensors of {len(held)} layers")
+    # Sizes no tensor has (2**40) overflow torch's size arithmetic even on the meta device.
+    embed = tensors.get("model.embed_tokens.weight", tensors.get("embed_tokens.weight"))
+    if embed is not None and tuple(embed.shape) != (cfg.vocab_size, cfg.hidden_size):
+        raise CheckpointError(f"tensor 'model.embed_tokens.weight' in {path} has shape {tuple(embed.shape)}, "
+                              f"but config.json implies {(cfg.vocab_size, cfg.hidden_size)}")
+
+
+_LAYER = re.compile(r"(?:model\.)?layers\.(\d+)\.")
 
 
 def load(
@@ -88,11 +118,15 @@ def load(
     path = _resolve(source)
     cfg = ModelConfig.from_json(path / "config.json")
     tensors = _read_tensors(_weight_files(path))
+    _check_config_against_weights(cfg, tensors, path)
     # Checkpoint names are the module names with a leading "model." (lm_head has none).
     state = {name.removeprefix("model."): t for name, t in tensors.items()}
 
-    with torch.device("meta"):
-        model = Transformer(cfg)
+    try:
+        with torch.device("meta"):
+            model = Transformer(cfg)
+    except (RuntimeError, OverflowError) as e:  # sizes torch cannot even compute
+        raise CheckpointError(f"{path / 'config.json'} describes a model that cannot be built ({e})") from None
     expected = model.state_dict()
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight")

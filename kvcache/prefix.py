@@ -755,14 +755,17 @@ def _read_inside(path: Path, name: str, limit: int) -> bytes:
     device or a pipe, and a file larger than ``limit`` bytes, before reading any of it."""
     if name != os.path.basename(name) or name in ("", ".", ".."):
         raise ValueError(f"{name!r} is not a file name inside the store")
-    fd = os.open(path / name, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    if (path / name).is_symlink():
+        raise ValueError(f"{name} is a symbolic link; a store's files must be regular files inside it")
+    # No symlink followed even if one appears now; a pipe opened without blocking on a writer.
+    fd = os.open(path / name, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     with os.fdopen(fd, "rb") as f:
         info = os.fstat(f.fileno())
         if not stat.S_ISREG(info.st_mode):
             raise ValueError(f"{name} is not a regular file")
         if info.st_size > limit:
             raise ValueError(f"{name} has {info.st_size} bytes, more than the {limit} its index entry allows")
-        return f.read(limit + 1)[: limit]
+        return f.read(info.st_size)  # a buffer of the file's size, never of the limit
 
 
 def _check_safetensors(name: str, data: bytes, nbytes: int) -> None:
