@@ -154,6 +154,13 @@ def attend(
     """
     B, Hq, T, D = q.shape
     H = k.shape[1]
+    if k.shape[2] == 0:
+        # No slot at all (a chunk of padding alone into an empty cache): nothing is attended,
+        # as with the full-precision kernels.
+        if q_weight is None:
+            return torch.zeros_like(q), None, None
+        return (torch.zeros_like(q), q.new_zeros(B, H, 0, dtype=torch.float32),
+                q.new_zeros(B, k_pos.shape[1], 0, dtype=torch.float32))
     G = Hq // H
     spans = _blocks(k)
     present = _presence(k, spans)
