@@ -45,7 +45,8 @@ class KeyValueStore:
     """Keys and values of every position of the sequence for one layer, as its cache attended them.
 
     k, v: (B, Hkv, T, D) in the dtype the model computed them in, on ``device`` (the model's, or
-    the CPU when they are offloaded: pinned there when the model is on CUDA, for faster copies); allocated by the first write.
+    the CPU when they are offloaded: pinned there when the model is on CUDA, for faster copies);
+    allocated by the first write.
     """
 
     def __init__(self, length: int, device: torch.device) -> None:

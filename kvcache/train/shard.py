@@ -73,8 +73,8 @@ def shard(model: torch.nn.Module, how: str) -> torch.nn.Module:
         # The only buffers are the rotary frequencies, equal on every rank: syncing them before
         # every forward would cost a collective per chunk. (Newer torch releases renamed the flag.)
         ddp = torch.nn.parallel.DistributedDataParallel
-        flag = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(ddp).parameters else "broadcast_buffers"
-        return ddp(step, **{flag: False})
+        renamed = "forward_sync_buffers" in inspect.signature(ddp).parameters
+        return ddp(step, **{"forward_sync_buffers" if renamed else "broadcast_buffers": False})
     from torch.distributed.fsdp import fully_shard
 
     for block in step.transformer.layers:
