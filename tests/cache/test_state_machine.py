@@ -29,7 +29,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
+                                 run_state_machine_as_test)
 
 import kvcache
 from kvcache.errors import CapacityError
@@ -63,7 +64,10 @@ def _assert_same_state(a: dict, b: dict, what: str) -> None:
     assert a.keys() == b.keys(), what
     for k in a:
         assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, f"{what}: {k}"
-        assert torch.equal(a[k], b[k]) or (a[k].is_floating_point() and torch.equal(a[k].nan_to_num(7.0), b[k].nan_to_num(7.0))), f"{what}: {k} differs"
+        # Bitwise: a NaN in both counts as the same (torch.equal alone says NaN != NaN).
+        same = torch.equal(a[k], b[k]) or (a[k].is_floating_point()
+                                           and torch.equal(a[k].nan_to_num(7.0), b[k].nan_to_num(7.0)))
+        assert same, f"{what}: {k} differs"
 
 
 def _row_state(state: dict, b: int) -> dict[str, torch.Tensor]:
