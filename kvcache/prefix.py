@@ -552,7 +552,7 @@ class PrefixStore:
     def _load(self, path: Path) -> None:
         store, index_file = self, path / INDEX
         try:
-            index = json.loads(_read_inside(path, INDEX, MAX_INDEX_BYTES).decode())
+            index = json.loads(_read_inside(path, INDEX, MAX_INDEX_BYTES, "a store index may have").decode())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:
             raise PrefixStoreError(f"{index_file} is not a readable prefix-store index ({e}); delete {path} "
                                    "to start a new store") from None
@@ -632,7 +632,7 @@ class PrefixStore:
             raise ValueError(f"entry {e['id']}: bytes must be a non-negative int, got {nbytes!r}")
         try:
             # A snapshot's file also holds its lengths (one long), which nbytes does not count.
-            data = _read_inside(path, name, 8 + MAX_HEADER_BYTES + nbytes + 8)
+            data = _read_inside(path, name, 8 + MAX_HEADER_BYTES + nbytes + 8, "its index entry allows")
         except OSError as err:
             raise ValueError(f"cannot read {name}: {err.strerror or err}") from None
         if hashlib.sha256(data).hexdigest() != digest:
@@ -750,7 +750,7 @@ def _locked(path: Path, *, exclusive: bool, timeout: float):
         os.close(fd)  # releases the lock
 
 
-def _read_inside(path: Path, name: str, limit: int) -> bytes:
+def _read_inside(path: Path, name: str, limit: int, why: str) -> bytes:
     """The bytes of the regular file ``name`` directly inside ``path``, refusing a symlink, a
     device or a pipe, and a file larger than ``limit`` bytes, before reading any of it."""
     if name != os.path.basename(name) or name in ("", ".", ".."):
@@ -764,7 +764,7 @@ def _read_inside(path: Path, name: str, limit: int) -> bytes:
         if not stat.S_ISREG(info.st_mode):
             raise ValueError(f"{name} is not a regular file")
         if info.st_size > limit:
-            raise ValueError(f"{name} has {info.st_size} bytes, more than the {limit} its index entry allows")
+            raise ValueError(f"{name} has {info.st_size} bytes, more than the {limit} {why}")
         return f.read(info.st_size)  # a buffer of the file's size, never of the limit
 
 
