@@ -125,7 +125,6 @@ def test_frozen_parameters_get_no_gradient(llama):
         (dict(chunk=[4, 0, 6]), "positive ints"),
         (dict(chunk=4, cache_length=6), "cannot hold a sequence of 10 tokens"),
         (dict(chunk=4, policy="nope", cache_length=6), "unknown policy"),
-        (dict(chunk=4, policy="h2o", cache_length=6, head_budgets=[[3, 3], [3, 3]]), "head_budgets"),
     ],
 )
 def test_errors(llama, kwargs, message):

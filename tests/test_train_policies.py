@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 import kvcache
 from kvcache.cache.registry import budget_options
-from train_util import gradients, record_held, reference_loss, relative_errors, tiny_model, token_ids
+from train_util import gradients, policy_heads, record_held, reference_loss, relative_errors, tiny_model, token_ids
 
 REL_TOL = 1e-5
 EVICTING = sorted(name for name in kvcache.policies() if name != "dense")
@@ -30,7 +30,7 @@ def check(model, policy: str, C: int, ids: torch.Tensor, sizes: list[int], **opt
     """Assert chunked_loss matches the masked reference; returns (its loss, the dense loss)."""
     options = {**budget_options(policy.partition(":")[0], C), **options}
     cache, held = record_held(model, ids, policy, C, sizes, **options)
-    if not getattr(cache.layers[0].storage, "exact_roundtrip", True):
+    if not getattr(policy_heads(cache.layers[0])[0].storage, "exact_roundtrip", True):
         return check_full_precision(model, policy, C, ids, sizes, **options)
     want_loss, want = gradients(model, lambda: reference_loss(model, ids, cache, held, sizes))
     got_loss, got = gradients(model, lambda: kvcache.chunked_loss(model, ids, policy=policy, cache_length=C,
@@ -95,3 +95,14 @@ def test_random_chunkings_budgets_and_batches(model, policy, data, batch, seed):
 def test_budgets_per_layer(model):
     check(model, "h2o", 14, token_ids(40, seed=6), [10, 10, 20], allocation=[20, 8], recent=2)
     check(model, "sink", 14, token_ids(40, seed=7), [6, 17, 17], allocation=[8, 20])
+
+
+@pytest.mark.parametrize("policy", EVICTING)
+def test_head_budgets_match_the_masked_reference(model, policy):
+    """One cache per K/V head, of its own size (Ada-KV's layout): each head keeps and attends by
+    its own cache's decisions and rules; 2 rows, chunks of 1 to 6 tokens."""
+    ids = token_ids(30, batch=2, seed=5)
+    budgets = [[6, 11], [12, 5]]
+    # The reference renumbers sinks by one cache length, not one per head: true positions here.
+    options = {"positions": "absolute"} if "positions" in kvcache.policy_options(policy) else {}
+    check(model, policy, 8, ids, [6, 1, 5, 4, 6, 3, 5], head_budgets=budgets, **options)

@@ -37,18 +37,33 @@ def record_held(model, ids: torch.Tensor, policy: str, cache_length: int, sizes:
     stored = [[] for _ in cache.layers]
     for layer, keep in zip(cache.layers, stored):
         def attend(q, k, v, step, layer=layer, keep=keep, attend=layer.attend):
-            keep.append(layer.storage.roundtrip(k, v))
+            parts = [(head.storage.roundtrip(k[:, h : h + 1], v[:, h : h + 1]) if hasattr(layer, "heads")
+                      else head.storage.roundtrip(k, v)) for h, head in enumerate(policy_heads(layer))]
+            keep.append(tuple(torch.cat([part[i] for part in parts], dim=1) for i in (0, 1)))
             return attend(q, k, v, step)
         layer.attend = attend
     held, start = [], 0
     with torch.inference_mode():
         for n in sizes:
-            held.append([layer.storage.pos[:, :, : layer.spec.cache_length].clone() for layer in cache.layers])
+            held.append([slots_held(layer) for layer in cache.layers])
             model(ids[:, start : start + n], cache)
             start += n
     for layer, keep in zip(cache.layers, stored):
         layer.stored = tuple(torch.cat([kv[i] for kv in keep], dim=2).clone() for i in (0, 1))
     return cache, held
+
+
+def policy_heads(layer) -> list:
+    """The caches that decide for a layer: its K/V heads' own under head budgets, else itself."""
+    return list(getattr(layer, "heads", [layer]))
+
+
+def slots_held(layer) -> torch.Tensor:
+    """(B, Hp, S) the positions in the layer's slots (-1 empty); head budgets: one row per K/V
+    head, padded with -1 to the largest head's slots."""
+    rows = [head.storage.pos[:, :, : head.spec.cache_length] for head in policy_heads(layer)]
+    width = max(r.shape[2] for r in rows)
+    return torch.cat([F.pad(r, (0, width - r.shape[2]), value=-1) for r in rows], dim=1).clone()
 
 
 class MaskedLayer(LayerCache):
@@ -71,13 +86,16 @@ class MaskedLayer(LayerCache):
             allowed[:, :, start : start + n, start : start + n] = True
             start += n
         t = torch.arange(T, device=device)
-        rule = (t[None, :] <= t[:, None])  # causal
-        window, sinks, limit = self.layer.window(), self.layer.sinks(), self.layer.spec.window
-        if window is not None:
-            rule &= (t[None, :] > t[:, None] - window) | (t[None, :] < sinks)
-        if limit is not None:
-            rule &= t[None, :] > t[:, None] - limit
-        return allowed & rule
+        rules = []
+        for head in policy_heads(self.layer):  # one rule for all heads, or one per K/V head
+            rule = (t[None, :] <= t[:, None])  # causal
+            window, sinks, limit = head.window(), head.sinks(), head.spec.window
+            if window is not None:
+                rule &= (t[None, :] > t[:, None] - window) | (t[None, :] < sinks)
+            if limit is not None:
+                rule &= t[None, :] > t[:, None] - limit
+            rules.append(rule)
+        return allowed & torch.stack(rules)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
         rk, rv = self.layer.stored
@@ -86,7 +104,9 @@ class MaskedLayer(LayerCache):
         Hkv = k.shape[1]
         G = Hq // Hkv
         scores = (q.view(B, Hkv, G, T, D) @ k.unsqueeze(2).transpose(-1, -2)).float() * D**-0.5
-        renumbered = getattr(self.layer.options, "positions", None) == "renumbered" and self.layer.sinks()
+        renumbered = getattr(self.layer.options, "positions", None) == "renumbered" and policy_heads(self.layer)[0].sinks()
+        if renumbered and hasattr(self.layer, "heads"):
+            raise NotImplementedError("the reference renumbers sinks by one cache length: not under head budgets")
         if renumbered:
             C, S = self.layer.spec.cache_length, self.layer.sinks()
             shift = (torch.arange(T) - (C - 1)).clamp(min=0)[None]  # (1, T)

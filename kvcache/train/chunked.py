@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from ..cache.base import KVCache
 from ..cache.registry import make_cache
 from ..errors import CapacityError
-from .replay import KeyValueStore, Recorder, Replay, check_supported, held_positions
+from .replay import KeyValueStore, Recorder, Replay, check_supported, held_positions, storages
 from .step import ChunkStep, base_model, sharded_step
 
 
@@ -119,7 +119,9 @@ def chunked_loss(
         raise ValueError("no token to predict: every label is ignore_index (or every weight is 0)")
     length = T if cache_length is None else cache_length
     cache = make_cache(model, policy, cache_length=length, batch_size=B, prompt_length=T, **options)
-    if not all(getattr(getattr(layer, "storage", None), "exact_roundtrip", True) for layer in cache.layers):
+    for layer in cache.layers:
+        check_supported(layer)
+    if not all(getattr(s, "exact_roundtrip", True) for layer in cache.layers for s in storages(layer)):
         full = policy.partition(":")[0]
         warnings.warn(
             f"chunked_loss trains {policy!r} as {full!r} (full precision): its storage quantizes a token "
@@ -128,8 +130,6 @@ def chunked_loss(
             stacklevel=2,
         )
         cache = make_cache(model, full, cache_length=length, batch_size=B, prompt_length=T, **options)
-    for layer in cache.layers:
-        check_supported(layer)
     if cache.max_tokens is not None and cache.max_tokens < T:
         raise CapacityError(
             f"a {policy!r} cache of cache_length={cache.max_tokens} cannot hold a sequence of {T} tokens: "

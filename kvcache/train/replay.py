@@ -22,6 +22,7 @@ import torch
 from .. import attention
 from ..cache.base import LayerCache, Step
 from ..cache.evicting import EvictingCache
+from ..cache.headwise import HeadwiseCache
 
 
 def sink_biased(q, q_sink, k, v, q_pos, k_pos, rule: dict) -> torch.Tensor:
@@ -75,20 +76,44 @@ class KeyValueStore:
         return self.k.gather(2, index), self.v.gather(2, index)
 
 
+def _replayable(layer: LayerCache) -> bool:
+    return isinstance(layer, EvictingCache) or (not layer.evicts and hasattr(layer, "storage"))
+
+
 def check_supported(layer: LayerCache) -> None:
-    """Raise ValueError unless ``chunked_loss`` can record and replay ``layer``."""
-    if isinstance(layer, EvictingCache) or (not layer.evicts and hasattr(layer, "storage")):
+    """Raise ValueError unless ``chunked_loss`` can record and replay ``layer``: the dense cache,
+    every policy built on EvictingCache, and head budgets (one such cache per K/V head)."""
+    if _replayable(layer) or (isinstance(layer, HeadwiseCache) and all(map(_replayable, layer.heads))):
         return
-    what = "head_budgets (one cache per K/V head)" if hasattr(layer, "heads") else f"the {layer.name!r} layer cache"
     raise ValueError(
-        f"chunked_loss cannot replay {what}: it supports the dense cache and policies built on "
-        "EvictingCache (every registered policy), with uniform or per-layer budgets"
+        f"chunked_loss cannot replay the {layer.name!r} layer cache: it supports the dense cache and policies "
+        "built on EvictingCache (every registered policy), with uniform, per-layer or per-head budgets"
     )
+
+
+def storages(layer: LayerCache) -> list:
+    """The storages a layer's keys and values go through: one per K/V head under head budgets."""
+    return [head.storage for head in layer.heads] if isinstance(layer, HeadwiseCache) else [layer.storage]
+
+
+def stored_form(layer: LayerCache, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """k, v (B, Hkv, n, D) as ``layer`` stores and attends them (its storage's codes read back);
+    head budgets: each K/V head through its own cache's storage."""
+    if not isinstance(layer, HeadwiseCache):
+        return layer.storage.roundtrip(k, v)
+    pairs = [head.storage.roundtrip(k[:, h : h + 1], v[:, h : h + 1]) for h, head in enumerate(layer.heads)]
+    return torch.cat([kk for kk, _ in pairs], dim=1), torch.cat([vv for _, vv in pairs], dim=1)
 
 
 def held_positions(layer: LayerCache, start: int, batch: int) -> torch.Tensor:
     """(B, Hp, S) long: the positions ``layer`` holds once it has seen ``start`` tokens (-1 for an
-    empty slot). The dense cache holds every position, so its set is not read from the buffers."""
+    empty slot). The dense cache holds every position, so its set is not read from the buffers.
+    Head budgets: one row per K/V head (Hp = Hkv), each head's slots padded with -1 to the
+    largest head's."""
+    if isinstance(layer, HeadwiseCache):
+        held = [held_positions(head, start, batch) for head in layer.heads]  # (B, 1, S_h) each
+        width = max(h.shape[2] for h in held)
+        return torch.cat([torch.nn.functional.pad(h, (0, width - h.shape[2]), value=-1) for h in held], dim=1)
     if not layer.evicts:
         return torch.arange(start, device=layer.spec.device).expand(batch, 1, start)
     return layer.storage.pos[:, :, : layer.spec.cache_length].clone()
@@ -115,7 +140,7 @@ class Recorder(LayerCache):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
         # What the cache attends for a new token is its stored form read back (``roundtrip``):
         # the same values later chunks read from the slots.
-        self.store.write(step.start0, *self.inner.storage.roundtrip(k, v))
+        self.store.write(step.start0, *stored_form(self.inner, k, v))
         return self.inner.attend(q, k, v, step)
 
     def reset(self) -> None:
@@ -151,21 +176,38 @@ class Replay(LayerCache):
         k = k + (self.chunk_k - k).detach()
         v = v + (self.chunk_v - v).detach()
         self.new_k, self.new_v = k, v
-        layer, rule = self.policy_layer, rules(self.policy_layer)
-        q_sink = layer._sink_queries(q, step) if isinstance(layer, EvictingCache) else None
-        if self.kept_pos is None:
-            return attention.causal(q, k, v, q_sink=q_sink, **rule)
-        Hp = self.kept_pos.shape[1]
-        new_pos = step.positions.unsqueeze(1).expand(-1, Hp, -1)
-        cand_k = torch.cat((self.kept_k, k), dim=2)
-        cand_v = torch.cat((self.kept_v, v), dim=2)
-        cand_pos = torch.cat((self.kept_pos, new_pos), dim=2)
-        if q_sink is None:
-            return attention.masked(q, cand_k, cand_v, step.positions, cand_pos, **rule)
-        return sink_biased(q, q_sink, cand_k, cand_v, step.positions, cand_pos, rule)
+        layer = self.policy_layer
+        if not isinstance(layer, HeadwiseCache):
+            return _attend(layer, q, k, v, self.kept_k, self.kept_v, self.kept_pos, step)
+        # Head budgets: each K/V head with its query group, by its own cache's rules.
+        G = q.shape[1] // k.shape[1]
+        outs = []
+        for h, head in enumerate(layer.heads):
+            kept = (None, None, None) if self.kept_pos is None else \
+                (self.kept_k[:, h : h + 1], self.kept_v[:, h : h + 1], self.kept_pos[:, h : h + 1])
+            outs.append(_attend(head, q[:, h * G : (h + 1) * G], k[:, h : h + 1], v[:, h : h + 1], *kept, step))
+        return torch.cat(outs, dim=1)
 
     def reset(self) -> None:
         pass
 
     def nbytes(self) -> int:
         return 0
+
+
+def _attend(layer: LayerCache, q, k, v, kept_k, kept_v, kept_pos, step: Step) -> torch.Tensor:
+    """A chunk's queries q (B, Hq, n, D) over the held keys and values kept_k, kept_v (B, Hkv, S,
+    D) at kept_pos (B, Hp, S) (None for the first chunk) and its own k, v (B, Hkv, n, D), under
+    ``layer``'s visibility rules -> (B, Hq, n, D)."""
+    rule = rules(layer)
+    q_sink = layer._sink_queries(q, step) if isinstance(layer, EvictingCache) else None
+    if kept_pos is None:
+        return attention.causal(q, k, v, q_sink=q_sink, **rule)
+    Hp = kept_pos.shape[1]
+    new_pos = step.positions.unsqueeze(1).expand(-1, Hp, -1)
+    cand_k = torch.cat((kept_k, k), dim=2)
+    cand_v = torch.cat((kept_v, v), dim=2)
+    cand_pos = torch.cat((kept_pos, new_pos), dim=2)
+    if q_sink is None:
+        return attention.masked(q, cand_k, cand_v, step.positions, cand_pos, **rule)
+    return sink_biased(q, q_sink, cand_k, cand_v, step.positions, cand_pos, rule)
