@@ -489,8 +489,9 @@ class PrefixStore:
 
     def _save(self, path: Path) -> None:
         # Temporary files of a writer that died mid-save (the lock is ours: no one else writes).
-        for stale in path.glob(".*.tmp"):
-            stale.unlink(missing_ok=True)
+        for pattern in (f".{ENTRY_PREFIX}*.tmp", f".{INDEX}.*.tmp"):
+            for stale in path.glob(pattern):
+                stale.unlink(missing_ok=True)
         old = _existing_files(path)
         entries = []
         for node in self._ordered():
