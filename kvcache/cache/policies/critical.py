@@ -85,15 +85,18 @@ class CriticalCache(EvictingCache):
         self.base.held = self.held  # a base that counts what a row keeps (lagkv) counts this cache's
         self.base.spec = self.spec
         score = self.base.priority(c).float().masked_fill(c.empty, float("-inf"))
-        added = c.step.n_tokens if c.step.n_tokens is not None else torch.ones(B, dtype=torch.long)
-        total = self.held + added.cpu()
-        C = self.spec.cache_length
-        room = torch.where(total > C, C - self.spec.reserve, total)  # what each row keeps
         weighted = (score + self.options.epsilon) * projected_value_norms(c.values, self.spec.out_proj)
         top = torch.finfo(torch.float32).max
+        C = self.spec.cache_length
+        if c.step.num_tokens == 1:
+            # A decode step: every row keeps cache_length, so the first stage has one size, and
+            # the step is tensor operations only (the same eager and captured).
+            first = int(C * self.options.first_stage)
+            return weighted.scatter(-1, score.topk(first, dim=-1).indices, top) if first else weighted
+        total = self.held + c.step.n_tokens.cpu()
+        room = torch.where(total > C, C - self.spec.reserve, total)  # what each row keeps
         for b in range(B):
             first = int(int(room[b]) * self.options.first_stage)
             if first:
-                chosen = score[b].topk(first, dim=-1).indices
-                weighted[b].scatter_(-1, chosen, top)
+                weighted[b].scatter_(-1, score[b].topk(first, dim=-1).indices, top)
         return weighted

@@ -8,7 +8,8 @@ score is the softmax, over the partition, of the standard deviation over channel
 keys and values, and replaced by its rank within the partition over ``lag`` (in [0, 1)). Sinks
 and tail score 1. Tokens with a distinctive lag-relative spread stay; no attention weights are
 needed (query-agnostic). With fewer than ``sinks + 2 * lag`` tokens nothing is partitioned and
-the newest tokens rank highest (kvpress's rule). Options:
+the newest tokens rank highest (kvpress's rule). kvpress compresses a prompt once; a decode step
+into a full cache evicts the oldest non-sink token (snapkv's window fallback). Options:
     lag      partition size.
     sinks    first tokens always kept.
 """
@@ -76,6 +77,11 @@ class LagKVCache(EvictingCache):
 
     def priority(self, c: Candidates) -> torch.Tensor:
         B, H, N, D = c.keys.shape
+        if c.step.num_tokens == 1:
+            # A decode step into a full cache (kvpress never takes one): the oldest non-sink token
+            # goes, as snapkv's window fallback, with tensor operations only (captured decode).
+            score = c.positions.float()
+            return score.masked_fill(c.positions < self.options.sinks, PROTECTED) if self.options.sinks else score
         pos = c.positions.expand(B, H, N)
         C = self.spec.cache_length
         # A captured decode step (no host counts) adds one token per row.
@@ -83,7 +89,11 @@ class LagKVCache(EvictingCache):
         total = self.held + added.cpu()
         room = torch.where(total > C, C - self.spec.reserve, total)  # what each row keeps
         score = torch.zeros(B, H, N, device=c.keys.device)
+        one = (c.step.valid.sum(1) <= 1).tolist()  # rows adding one token decode, as they would alone
         for b in range(B):  # rows hold different counts; each is scored over its own tokens
+            if one[b]:
+                score[b] = pos[b].float()
+                continue
             order = pos[b].argsort(dim=-1, stable=True)  # (H, N): empty slots first
             filled = int((pos[b, 0] >= 0).sum())
             take = order[:, N - filled:]
