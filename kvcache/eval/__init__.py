@@ -9,4 +9,5 @@ sweeps over (policy, ratio, task, length) cells that survive interruption.
     cell.py      one cell of a sweep, run by a pure function (what a Ray task would wrap)
     sweep.py     the driver: lists cells, skips finished ones, writes each result atomically
     leaderboard.py  per-task and average scores, the markdown table
+    command.py   what ``kvcache eval`` does once its flags are parsed
 """
