@@ -23,7 +23,7 @@ exact gradients, for fine-tuning (docs/finetune.md).
 from .cache import KVCache, LayerCache, adaptive_head_budgets, make_cache, option_info, policies, policy_options, storages
 from .checkpoint import Tokenizer, load, load_tokenizer
 from .config import ModelConfig, RopeConfig
-from .errors import CapacityError, CheckpointError, GenerationError, KVCacheError
+from .errors import CapacityError, CheckpointError, GenerationError, KVCacheError, KVCacheWarning, MemoryBudgetError
 from .generate import generate
 from .model import Transformer
 from .prefix import PrefixStore, PrefixStoreError
@@ -37,7 +37,9 @@ __all__ = [
     "GenerationError",
     "KVCache",
     "KVCacheError",
+    "KVCacheWarning",
     "LayerCache",
+    "MemoryBudgetError",
     "ModelConfig",
     "PrefixStore",
     "PrefixStoreError",

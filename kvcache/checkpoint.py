@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from .config import ModelConfig
-from .errors import CheckpointError
+from .errors import CheckpointError, KVCacheWarning
 from .model import Transformer
 
 # Shipped with the package once the reference model exists; ``load()`` with no source uses it.
@@ -112,7 +112,9 @@ def load(
     ``source`` is the directory; without one (``kvcache.load()``) the bundled reference model is
     loaded (``kvcache/reference_model``, a 5.1M-parameter Llama stored in float16). The directory
     needs ``config.json`` and ``model.safetensors`` (or a sharded
-    ``model.safetensors.index.json``). ``dtype`` defaults to the checkpoint's, ``device`` to CPU.
+    ``model.safetensors.index.json``). ``device`` defaults to CPU. ``dtype`` (None) defaults to
+    float32 on CPU, whose half-precision kernels are slow (the bundled model is stored in
+    float16), and to the checkpoint's own dtype elsewhere; ``kvcache generate`` does the same.
     The model is returned in eval mode.
     """
     path = _resolve(source)
@@ -146,10 +148,11 @@ def load(
         and not (cfg.tie_word_embeddings and n == "lm_head.weight")
     )
     if unexpected:
-        warnings.warn(f"ignoring {len(unexpected)} unexpected tensors in {path}: {unexpected[:5]}", stacklevel=2)
-    if dtype is None:
-        dtype = state["embed_tokens.weight"].dtype
+        warnings.warn(f"ignoring {len(unexpected)} unexpected tensors in {path}: {unexpected[:5]}", KVCacheWarning,
+                      stacklevel=2)
     device = torch.device(device) if device is not None else torch.device("cpu")
+    if dtype is None:
+        dtype = torch.float32 if device.type == "cpu" else state["embed_tokens.weight"].dtype
     model.load_state_dict(
         {n: state[n].to(device=device, dtype=dtype) for n in expected}, strict=False, assign=True
     )

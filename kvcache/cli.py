@@ -8,10 +8,12 @@ summary and errors go to stderr, so the output can be piped.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -19,7 +21,7 @@ from tqdm import tqdm
 
 from . import __version__, load, load_tokenizer, make_cache, option_info, policies, storages
 from .checkpoint import Tokenizer, generation_config
-from .errors import GenerationError, KVCacheError
+from .errors import GenerationError, KVCacheError, KVCacheWarning
 from .generate import DEFAULT_PREFILL_CHUNK, generate, truncate_at_stop
 from .prefix import DEFAULT_MAX_BYTES, INDEX, PrefixStore
 
@@ -84,8 +86,8 @@ class TextStream:
 
 
 def cache_length_arg(value: str) -> int | float:
-    """``--cache-length``: an integer is a token count, a number with a decimal point (or in
-    (0, 1]) a fraction of the prompt."""
+    """``--cache-length``: a whole number is a token count (300, or 1e3 in exponent form), a
+    number with a decimal point a fraction of the prompt in (0, 1] (0.25; 1.0 is the whole)."""
     text = value.strip()
     accepted = "a token count such as 300, or a fraction of the prompt in (0, 1] such as 0.25 (1.0: the whole prompt)"
     if text.isdigit():
@@ -96,11 +98,12 @@ def cache_length_arg(value: str) -> int | float:
         number = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected {accepted}; got {value!r}") from None
+    if "." not in text and number >= 1 and number.is_integer() and number < 2**63:
+        return int(number)  # 1e3: a token count in exponent form
     if not 0 < number <= 1:
-        raise argparse.ArgumentTypeError(
-            f"expected {accepted}; got {value!r} (a number with a decimal point is a fraction; "
-            "write a token count without one)"
-        )
+        what = ("a number with a decimal point is a fraction; write a token count without one" if "." in text
+                else "not a whole number of tokens")
+        raise argparse.ArgumentTypeError(f"expected {accepted}; got {value!r} ({what})")
     return number
 
 
@@ -145,11 +148,9 @@ def _list(convert):
 
 
 def _dtype(name: str | None, device: torch.device) -> torch.dtype | None:
-    """The --dtype choice; by default float32 on CPU, whose half-precision kernels are slow
-    (the bundled model is stored in float16), and the checkpoint's own dtype elsewhere."""
-    if name is not None:
-        return DTYPES[name]
-    return torch.float32 if device.type == "cpu" else None
+    """The --dtype choice; None lets ``load`` choose (float32 on CPU, the checkpoint's own dtype
+    elsewhere)."""
+    return None if name is None else DTYPES[name]
 
 
 def _set_threads(threads: int | None) -> None:
@@ -366,10 +367,33 @@ def _add_finetune(commands) -> None:
     _add_policy_options(ft)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that takes whole option names only: an abbreviation (``--sink`` for ``--sinks``)
+    is an unknown option, not silently another one. Every subcommand's parser is one too."""
+
+    def __init__(self, **kwargs) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(**kwargs)
+
+
+def _unrecognized(extra: list[str], parser: argparse.ArgumentParser) -> str:
+    """The error for arguments ``parser`` does not take, with the closest option it does take."""
+    message = f"unrecognized arguments: {' '.join(extra)}"
+    known = list(parser._option_string_actions)
+    for arg in extra:
+        if arg.startswith("--"):
+            close = difflib.get_close_matches(arg.split("=", 1)[0], known, n=1, cutoff=0.6)
+            if close:
+                return f"{message} (did you mean {close[0]}?)"
+    return message
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvcache", description="KV caching for decoder-only language models.")
+    parser = _Parser(prog="kvcache", description="KV caching for decoder-only language models.")
     parser.add_argument("--version", action="version", version=f"kvcache {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
+    # Each subcommand's parser, to report its own unknown arguments with its own usage.
+    parser.commands = commands.choices
     _add_generate(commands)
     _add_eval(commands)
     _add_finetune(commands)
@@ -444,6 +468,10 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
 def _encode(tokenizer: Tokenizer, prompt: str, args: argparse.Namespace) -> list[int]:
     if not args.chat and args.system is None:
         return tokenizer.encode(prompt)
+    if tokenizer.chat_template is None:
+        flag = "--system" if args.system is not None else "--chat"
+        raise ValueError(f"{args.model or 'the bundled model'} has no chat template (it was not trained for chat): "
+                         f"drop {flag} and pass the prompt as plain text")
     messages = [{"role": "system", "content": args.system}] if args.system is not None else []
     messages.append({"role": "user", "content": prompt})
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
@@ -728,8 +756,29 @@ def _drift(args: argparse.Namespace) -> None:
     print(json.dumps(data, indent=2) if args.json else table(data), end="\n" if args.json else "")
 
 
+def _warn(message, category, filename, lineno, file=None, line=None) -> None:
+    """kvcache's own warnings as one line, like its errors (no source line)."""
+    if issubclass(category, KVCacheWarning):
+        print(f"kvcache: warning: {message}", file=sys.stderr if file is None else file)
+    else:
+        _default_showwarning(message, category, filename, lineno, file, line)
+
+
+_default_showwarning = warnings.showwarning
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        command = parser.commands[args.command]
+        command.error(_unrecognized(extra, command))
+    with warnings.catch_warnings():
+        warnings.showwarning = _warn
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         if args.command == "generate":
             _generate(args)

@@ -13,6 +13,15 @@ class CapacityError(KVCacheError):
     """A chunk would not fit into a cache that cannot evict."""
 
 
+class MemoryBudgetError(KVCacheError, MemoryError):
+    """What a call would allocate exceeds the memory its device has available (checked before
+    anything is allocated)."""
+
+
+class KVCacheWarning(UserWarning):
+    """A kvcache warning: the call runs, but the result may not be what was meant."""
+
+
 class GenerationError(KVCacheError):
     """Generation failed after it had produced tokens.
 

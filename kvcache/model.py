@@ -18,6 +18,7 @@ from torch import nn
 from . import attention
 from .cache.base import KVCache, LayerCache, Step
 from .config import ModelConfig
+from .errors import KVCacheWarning
 from .rope import apply_rope, inverse_frequencies, rope_angles
 
 # Called at the start of every block with (layer index, hidden states (B, T, hidden_size)); a
@@ -244,5 +245,6 @@ class Transformer(nn.Module):
             f"(positions 0 to {limit - 1}); the model was not configured for such positions and its "
             "output may degrade. (A sink cache with positions='renumbered' keeps attention distances "
             "within its cache_length.) This warning is given once per model.",
+            KVCacheWarning,
             stacklevel=2,
         )

@@ -49,7 +49,7 @@ from safetensors.torch import save as save_safetensors
 from .cache.base import KVCache
 from .cache.snapshot import Snapshot
 from .cache.snapshot import check as check_snapshot
-from .errors import KVCacheError
+from .errors import KVCacheError, KVCacheWarning
 
 DEFAULT_MAX_BYTES = 1 << 30
 FORMAT = "kvcache-prefix-store"
@@ -449,7 +449,7 @@ class PrefixStore:
     def _warn(self, kind: str, message: str) -> None:
         if kind not in self._warned:
             self._warned.add(kind)
-            warnings.warn(message, stacklevel=4)
+            warnings.warn(message, KVCacheWarning, stacklevel=4)
 
     def _check_entries(self, cache: KVCache, binding: Binding) -> None:
         """Every loaded entry against ``cache``'s layout, before any is used (ValueError)."""
@@ -547,7 +547,7 @@ class PrefixStore:
         dropped -= len(store)
         if dropped:
             warnings.warn(f"prefix store {path}: {dropped} least recently used entries do not fit "
-                          f"max_bytes={max_bytes} and were left out", stacklevel=2)
+                          f"max_bytes={max_bytes} and were left out", KVCacheWarning, stacklevel=2)
         return store
 
     def _load(self, path: Path) -> None:

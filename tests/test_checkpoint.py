@@ -62,6 +62,15 @@ def test_load_accepts_str_path_and_device(llama_ckpt):
     assert model.embed_tokens.weight.device.type == "cpu"
 
 
+def test_default_dtype_on_cpu_is_float32(tmp_path, llama_ckpt):
+    """A half-precision checkpoint loads in float32 on CPU (the CLI's default too), unless asked."""
+    half = tmp_path / "half"
+    llama_ckpt.hf.to(torch.float16).save_pretrained(half)
+    llama_ckpt.hf.to(torch.float32)
+    assert kvcache.load(half).embed_tokens.weight.dtype == torch.float32
+    assert kvcache.load(half, dtype=torch.float16).embed_tokens.weight.dtype == torch.float16
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_dtype_casts_weights(llama_ckpt, dtype):
     ref = kvcache.load(llama_ckpt.path)

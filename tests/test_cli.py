@@ -165,14 +165,14 @@ def test_summary_on_stderr_text_on_stdout_and_quiet(model_dir, capsys):
 
 @pytest.mark.parametrize(
     "value,expected",
-    [("300", 300), ("1", 1), ("1.0", 1.0), ("0.25", 0.25), (".5", 0.5), ("1e-2", 0.01)],
+    [("300", 300), ("1", 1), ("1.0", 1.0), ("0.25", 0.25), (".5", 0.5), ("1e-2", 0.01), ("1e3", 1000), ("4E3", 4000)],
 )
 def test_cache_length_parses_counts_and_fractions(value, expected):
     got = cache_length_arg(value)
     assert got == expected and type(got) is type(expected)
 
 
-@pytest.mark.parametrize("value", ["abc", "0", "-3", "300.0", "1.5", "0.0", "nan", ""])
+@pytest.mark.parametrize("value", ["abc", "0", "-3", "300.0", "1.5", "0.0", "nan", "", "1.5e3", "2.5e0"])
 def test_bad_cache_length_names_the_flag_and_the_forms(value, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["generate", PROMPT, "--cache-length", value])
@@ -458,3 +458,34 @@ def test_eval_without_matplotlib_fails_before_the_grid(model_dir, tmp_path, monk
     assert main(["eval", "--model", str(model_dir), "--out", str(tmp_path / "out"), *TINY_GRID]) == 2
     err = capsys.readouterr().err
     assert "pip install 'kvcache[eval]'" in err and "--no-plots" in err
+
+
+@pytest.mark.parametrize("args,suggestion", [
+    (["--recnt", "3"], "--recent"),       # a typo
+    (["--policy", "sink", "--sink", "8"], "--sinks"),  # an abbreviation is not taken for the option
+])
+def test_unknown_option_names_the_subcommand_and_the_closest_option(args, suggestion, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", PROMPT, *args])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage: kvcache generate" in err and f"did you mean {suggestion}?" in err
+
+
+def test_a_cache_too_large_for_memory_is_refused_before_allocation(capsys):
+    assert main(["generate", PROMPT, "--max-new-tokens", "1000000000"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvcache: error: a dense cache of") and "available on cpu" in err
+    assert "Traceback" not in err
+
+
+def test_chat_without_a_chat_template_says_to_drop_it(capsys):
+    assert main(["generate", PROMPT, "--chat"]) == 2
+    assert "has no chat template" in capsys.readouterr().err and "drop --chat"
+
+
+def test_kvcache_warnings_read_as_kvcache_messages(model_dir, capsys):
+    long = " ".join(["word"] * 5000)
+    assert main(["generate", long, "--max-new-tokens", "1", "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("kvcache: warning: a sequence reached position") and "warnings.warn" not in err

@@ -18,6 +18,7 @@ from typing import Sequence
 
 import torch
 
+from ..memory import check_fits
 from . import policies as _policy_package
 from .base import CacheSpec, KVCache, LayerCache
 from .blocks import check_block
@@ -211,15 +212,28 @@ def make_cache(
             parts.append(f"allocation={allocation!r} gives layer {i} {size} of cache_length={tokens}")
         return f" ({'; '.join(parts)})" if parts else ""
 
-    layers: list[LayerCache] = []
-    for i, budget in enumerate(budgets):
-        spec = CacheSpec.for_model(model, batch_size=batch_size, cache_length=budget, storage=storage, reserve=reserve,
-                                  block=block, layer=i)
-        heads = None if head_budgets is None else head_budgets[i]
-        try:
-            layers.append(_layer(cls, spec, options, heads))
-        except ValueError as e:
-            raise ValueError(f"{e}{where(i, budget)}") from None
+    def build_layers(device: torch.device | None) -> list[LayerCache]:
+        layers = []
+        for i, budget in enumerate(budgets):
+            spec = CacheSpec.for_model(model, batch_size=batch_size, cache_length=budget, storage=storage,
+                                      reserve=reserve, block=block, layer=i)
+            if device is not None:
+                spec = dataclasses.replace(spec, device=device)
+            heads = None if head_budgets is None else head_budgets[i]
+            try:
+                layers.append(_layer(cls, spec, options, heads))
+            except ValueError as e:
+                raise ValueError(f"{e}{where(i, budget)}") from None
+        return layers
+
+    # The same layers on the meta device first: every check, and the bytes, with nothing allocated.
+    need = sum(layer.nbytes() for layer in build_layers(torch.device("meta")))
+    device = model.embed_tokens.weight.device
+    rows = f"{batch_size} row{'s' if batch_size != 1 else ''}"
+    check_fits(need, device, f"a {policy} cache of {tokens} slots x {cfg.num_layers} layers x {rows}",
+               "lower cache_length (max_new_tokens, when it defaults to prompt + new tokens), batch_size, or use "
+               "an evicting policy or a quantized storage")
+    layers = build_layers(None)
     nominal = dataclasses.replace(layers[0].spec, cache_length=tokens)
     return KVCache(layers, nominal, policy)
 

@@ -37,6 +37,8 @@ from packaging.version import InvalidVersion, Version
 from transformers import LlamaForCausalLM
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from ..errors import KVCacheWarning
+
 # Keep in step with the `hf` extra in pyproject.toml. .ci/run tests the oldest (a second virtual
 # environment) and the newest release; .ci/hf-versions tests every 5.x minor release.
 MINIMUM = "5.0.0"
@@ -55,7 +57,7 @@ CACHE_ARG = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).pa
 _OUTPUT_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
-class UntestedTransformersWarning(UserWarning):
+class UntestedTransformersWarning(KVCacheWarning):
     """transformers is newer than any release kvcache.hf was tested on."""
 
 

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from ..cache.base import KVCache
 from ..cache.registry import make_cache
-from ..errors import CapacityError
+from ..errors import CapacityError, KVCacheWarning
 from .replay import KeyValueStore, Recorder, Replay, check_supported, held_positions, storages
 from .step import ChunkStep, base_model, sharded_step
 
@@ -127,6 +127,7 @@ def chunked_loss(
             f"chunked_loss trains {policy!r} as {full!r} (full precision): its storage quantizes a token "
             "differently depending on where it is placed, so a chunk's keys cannot be replayed as stored; "
             "per-token storages (token8, token4, token2) are replayed exactly, straight-through",
+            KVCacheWarning,
             stacklevel=2,
         )
         cache = make_cache(model, full, cache_length=length, batch_size=B, prompt_length=T, **options)
