@@ -36,6 +36,12 @@ def _resolve(source: str | Path | None) -> Path:
     path = Path(source)
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a directory; pass a Hugging Face-format checkpoint directory")
+    if (path / "adapter_config.json").exists() and not (path / "config.json").exists():
+        raise CheckpointError(
+            f"{path} holds LoRA adapters (adapter_config.json), not a model: run kvcache finetune with "
+            "--merge-lora to write a full checkpoint that loads here, or apply the adapters to the base "
+            "model with peft"
+        )
     return path
 
 

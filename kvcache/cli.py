@@ -213,7 +213,8 @@ def _add_generate(commands) -> None:
     io.add_argument("--system", metavar="TEXT", help="a system message before the prompt (implies --chat)")
     io.add_argument("--json", action="store_true",
                     help="print one JSON object per prompt (prompt, prompt_tokens, tokens, text, prefill_s, "
-                         "decode_s, prefill_tok_s, decode_tok_s, cache_bytes) instead of the text")
+                         "decode_s, prefill_tok_s, decode_tok_s, compile_s, cache_bytes) instead of the text; with "
+                         "--compile, decode_s and decode_tok_s leave out the step that compiled (compile_s)")
     io.add_argument("--quiet", action="store_true", help="no progress bar or summary on stderr")
 
     model = gen.add_argument_group("model")
@@ -589,7 +590,7 @@ def _generate(args: argparse.Namespace) -> None:
 
     texts = [truncate_at_stop(tokenizer.decode(row), stop_strings) for row in new]
     if args.json:
-        _print_json(prompts, ids, new, texts, clock, end, cache.nbytes(), failure, reused)
+        _print_json(prompts, ids, new, texts, clock, end, cache, failure, reused)
     elif stream is not None:
         stream.finish()
         sys.stdout.write("\n")
@@ -634,12 +635,21 @@ def _save_prompt_cache(store: PrefixStore, directory: str) -> None:
         raise KVCacheError(f"cannot save the prompt cache to {directory}: {e.strerror or e}") from None
 
 
-def _print_json(prompts, ids, new, texts, clock: Clock, end: float, cache_bytes: int, failure,
+def _compile_s(cache) -> float | None:
+    """Seconds the first decode step took to capture the step (``--compile``), or None."""
+    return None if cache.captured is None else cache.captured.compile_s
+
+
+def _print_json(prompts, ids, new, texts, clock: Clock, end: float, cache, failure,
                 reused: list[int] | None = None) -> None:
     prefill_s = clock.prefill_s(end)
     prefill_rate = _per_second(sum(map(len, ids)), prefill_s)
+    compile_s = _compile_s(cache)
     for i, prompt in enumerate(prompts):
-        decode_s = clock.decode_s(i)
+        decode_s, decoded = clock.decode_s(i), len(new[i]) - 1
+        if compile_s is not None and decoded > 0:
+            # The first decode step captured the step: reported apart, as the summary does.
+            decode_s, decoded = decode_s - compile_s, decoded - 1
         record = {
             "prompt": prompt,
             "prompt_tokens": len(ids[i]),
@@ -648,8 +658,9 @@ def _print_json(prompts, ids, new, texts, clock: Clock, end: float, cache_bytes:
             "prefill_s": prefill_s,
             "decode_s": decode_s,
             "prefill_tok_s": prefill_rate,
-            "decode_tok_s": _per_second(len(new[i]) - 1, decode_s),
-            "cache_bytes": cache_bytes,
+            "decode_tok_s": _per_second(decoded, decode_s),
+            "compile_s": compile_s,
+            "cache_bytes": cache.nbytes(),
         }
         if reused is not None:
             record["reused_tokens"] = reused[i]
@@ -664,11 +675,12 @@ def _print_summary(ids, new, clock: Clock, end: float, cache) -> None:
     decode_s = max((clock.last[i] for i in range(len(new)) if clock.last[i] is not None), default=end) - (
         min((t for t in clock.first if t is not None), default=end))
     compiled = ""
-    if cache.captured is not None and cache.captured.compile_s is not None:
+    compile_s = _compile_s(cache)
+    if compile_s is not None:
         # The first decode step captured the step: its time is reported apart, not as decoding.
-        decode_s -= cache.captured.compile_s
+        decode_s -= compile_s
         decoded -= sum(len(row) > 1 for row in new)
-        compiled = f"compile: {cache.captured.compile_s:.1f} s | "
+        compiled = f"compile: {compile_s:.1f} s | "
     batch = f"prompts: {len(ids)} | " if len(ids) > 1 else ""
     print(
         f"{batch}prompt tokens: {sum(map(len, ids))} | new tokens: {sum(map(len, new))} | "

@@ -106,6 +106,9 @@ def test_lora_gradients_merge_and_checkpoints(model, llama_ckpt, tmp_path):
     with torch.no_grad():
         adapted = lora.get_base_model()(ids)
     save_adapter(lora, tmp_path / "adapter")
+    for read in (kvcache.load, kvcache.load_tokenizer):  # an adapter directory points to --merge-lora
+        with pytest.raises(kvcache.CheckpointError, match="holds LoRA adapters.*--merge-lora"):
+            read(tmp_path / "adapter")
     hf = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(llama_ckpt.path), tmp_path / "adapter")
     with torch.no_grad():
         assert max_diff(hf(ids).logits, adapted) < HF_ATOL[torch.float32]
