@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from . import __version__, load, load_tokenizer, make_cache, option_info, policies, storages
+from .cache import budget_options
 from .checkpoint import Tokenizer, generation_config
 from .errors import GenerationError, KVCacheError, KVCacheWarning
 from .generate import DEFAULT_PREFILL_CHUNK, generate, truncate_at_stop
@@ -732,6 +733,11 @@ def _policies() -> None:
         print(f"{name:<{width}}  {description}")
         for info in option_info(name):
             print(f"{'':<{width}}    {_option_usage(info)}  {info.help}")
+        small = budget_options(name, 16)
+        if small:
+            shown = ", ".join(f"{k}={v}" for k, v in small.items())
+            print(f"{'':<{width}}    (a default left out that does not fit a small cache_length gives way to the "
+                  f"paper's value for it: {shown} at 16)")
     print("\nstorages (name a cache policy:storage, e.g. h2o:int4; default full):")
     for name, description in storages().items():
         print(f"{name:<{width}}  {description}")

@@ -114,7 +114,8 @@ _QUANTIZED = sorted(name for name, cls in LAYOUTS.items() if cls.packed)
 
 STORAGES = {
     "full": LAYOUTS["full"].describe(16),
-    **{f"int{b}": f"{b}-bit codes in the best layout at {b} bits ({BEST[b]}{b})" for b in sorted(BITS, reverse=True)},
+    **{f"int{b}": f"{b}-bit codes in the layout of the best quality at {b} bits ({BEST[b]}{b})"
+       for b in sorted(BITS, reverse=True)},
     **{f"{layout}{b}": LAYOUTS[layout].describe(b) for layout in _QUANTIZED for b in sorted(BITS, reverse=True)},
 }
 

@@ -49,7 +49,9 @@ class KiviStorage(TokenStorage):
     @staticmethod
     def describe(bits: int) -> str:
         return (f"KIVI, {bits}-bit: keys per channel over groups of {KiviStorage.default_group} slots (newest in "
-                "full precision until their group fills), values per token; fp16 scales")
+                f"full precision until their group fills), values per token; fp16 scales. More bytes than token{bits} "
+                f"(the residual of {KiviStorage.default_group} tokens per row and layer, the per-channel scales): "
+                f"several times more on caches of a few hundred slots, where token{bits} is the leaner choice")
 
     @classmethod
     def check(cls, name: str, bits: int, group: int | None, head_dim: int) -> None:
