@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import warnings
@@ -65,8 +66,7 @@ def test_load_accepts_str_path_and_device(llama_ckpt):
 def test_default_dtype_on_cpu_is_float32(tmp_path, llama_ckpt):
     """A half-precision checkpoint loads in float32 on CPU (the CLI's default too), unless asked."""
     half = tmp_path / "half"
-    llama_ckpt.hf.to(torch.float16).save_pretrained(half)
-    llama_ckpt.hf.to(torch.float32)
+    copy.deepcopy(llama_ckpt.hf).to(torch.float16).save_pretrained(half)  # the shared model stays as it is
     assert kvcache.load(half).embed_tokens.weight.dtype == torch.float32
     assert kvcache.load(half, dtype=torch.float16).embed_tokens.weight.dtype == torch.float16
 
