@@ -12,6 +12,7 @@ import kvcache
 from kvcache import attention
 from kvcache.cache import CacheSpec
 from kvcache.quant.codes import decode_tokens, encode_tokens, quantize, unpack
+from kvcache.cache.storages import kivi as kivi_module
 from kvcache.cache.storages.kivi import KiviStorage
 from kvcache.cache.storages.token import TokenStorage
 from kvcache.cache.storage import STORAGES, make_storage, parse_storage
@@ -520,8 +521,8 @@ def test_buffers_name_every_tensor_a_storage_holds(llama, name):
     assert storage.nbytes() == sum(t.numel() * t.element_size() for t in storage.buffers().values())
 
 
-@pytest.mark.parametrize("case", ["fresh", "after_open_group", "ragged", "window"])
-def test_kivi_chunk_attention_equals_reading_the_codes(case):
+@pytest.mark.parametrize("case", ["fresh", "after_open_group", "ragged", "window", "query_blocks"])
+def test_kivi_chunk_attention_equals_reading_the_codes(case, monkeypatch):
     """``attend_chunk`` (decoded slots, staged groups, fused attention) gives what the packed
     kernel computes over the same slots, query by query as each reads them at its position;
     reading every slot as it is now instead would differ."""
@@ -530,6 +531,8 @@ def test_kivi_chunk_attention_equals_reading_the_codes(case):
     gen = torch.Generator().manual_seed(3)
     store = KiviStorage(spec(D=D, H=H, C=C, B=B, storage=f"kivi4/{G}"), 4, False, G)
     window = 6 if case == "window" else None
+    if case == "query_blocks":  # several fused calls, their blocks cutting across key groups
+        monkeypatch.setattr(kivi_module, "CHUNK_QUERIES", 3)
 
     def write(start: int, T: int, n: list[int]) -> None:
         k = torch.randn(B, H, T, D, generator=gen) * torch.linspace(0.2, 3, D)

@@ -17,12 +17,16 @@ time a key's codes are computed from codes.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ...quant.codes import encode_tokens, pack, quantize, unpack
 from ...quant.packed import CHANNEL, RESIDUAL, TOKEN, PackedKeys, PackedValues
-from ... import attention
 from ..base import CacheSpec
 from .token import TokenStorage
+
+
+# Queries per fused call of ``KiviStorage.attend_chunk``: their mask (queries x slots) stays small.
+CHUNK_QUERIES = 256
 
 
 class KiviStorage(TokenStorage):
@@ -353,33 +357,50 @@ class KiviStorage(TokenStorage):
         return out
 
     def _attend_rows(self, q, q_pos, kc, vc, k_pos, staged, window) -> torch.Tensor:
-        """``attend_chunk`` for rows that share their positions and what the write staged."""
-        T = q.shape[2]
-        G = self.key_group
-        p0 = int(q_pos[0, 0])
-        out = torch.empty_like(q)
-        covered = torch.zeros(T, dtype=torch.bool)
+        """``attend_chunk`` for rows that share their positions and what the write staged.
+
+        Every slot is read as it is now by the queries at or after its group's seal (the
+        position whose token completed the group in this write; every query, for a group not
+        completed by it), and from its staged copy by the queries of its group before the seal.
+        The copies are appended to the slots as extra keys, and each block of ``CHUNK_QUERIES``
+        queries is one fused call under a (queries x keys) mask of those two rules.
+        """
+        T, H = q.shape[2], kc.shape[1]
+        span = kc.shape[2]
+        dev = q.device
+        # Per slot, where this write staged its group: from which position it is read as it is now.
+        seal = torch.full((span,), -1, dtype=torch.long, device=dev)
+        copies = None
         if staged is not None:
             stage_k, stage_v, stage_of, seal_pos = staged
-            entry, seal = stage_of[0].cpu(), seal_pos[0].cpu()
-            for g in (entry >= 0).nonzero().flatten().tolist():
-                lo, hi = max(p0, g * G), min(p0 + T, int(seal[g]))
-                if hi <= lo:
-                    continue
-                # Each row's staged copy of group g: (B, H, G, D).
-                pick = stage_of[:, g].clamp(min=0)[:, None, None, None, None].expand(-1, *stage_k.shape[1:2], 1,
-                                                                                    *stage_k.shape[3:])
-                own_k = stage_k.gather(2, pick).squeeze(2)[:, :, : hi - g * G]
-                own_v = stage_v.gather(2, pick).squeeze(2)[:, :, : hi - g * G]
-                k = torch.cat((kc[:, :, : g * G], own_k.to(kc.dtype)), dim=2)
-                v = torch.cat((vc[:, :, : g * G], own_v.to(vc.dtype)), dim=2)
-                t = slice(lo - p0, hi - p0)
-                out[:, :, t] = attention.masked(q[:, :, t], k, v, q_pos[:, t], k_pos[..., :hi], window=window)
-                covered[t] = True
-        rest = (~covered).nonzero().flatten()
-        if rest.numel():
-            idx = rest.to(q.device)
-            out[:, :, idx] = attention.masked(q[:, :, idx], kc, vc, q_pos[:, idx], k_pos, window=window)
+            NB = stage_of.shape[1]
+            group = torch.arange(span, device=dev) // self.key_group
+            entry = torch.where(group < NB, stage_of[0, group.clamp(max=NB - 1)], -1)
+            seal = torch.where(entry >= 0, seal_pos[0, group.clamp(max=NB - 1)], -1)
+            slots = (entry >= 0).nonzero().flatten()
+            e, off = entry[slots], slots % self.key_group
+            copies = (slots, stage_k[:, :, e, off].to(kc.dtype), stage_v[:, :, e, off].to(vc.dtype))
+        out = torch.empty_like(q)
+        for t0 in range(0, T, CHUNK_QUERIES):
+            t1 = min(T, t0 + CHUNK_QUERIES)
+            p = q_pos[0, t0:t1, None]  # (n, 1): the block's positions, shared by the rows
+            hi = min(span, int(p.max()) + 1)  # slot s holds position s: later slots are unseen
+            pos = k_pos[0, 0, :hi]
+            visible = (pos >= 0) & (pos <= p) & (p >= seal[:hi])
+            keys, values = kc[:, :, :hi], vc[:, :, :hi]
+            if copies is not None:
+                slots, ks, vs = copies
+                # A copy is read only by queries of its own group: those of this block's groups.
+                take = (slots < hi) & (slots >= int(p.min()) // self.key_group * self.key_group)
+                c_pos = k_pos[0, 0, slots[take]]
+                keys = torch.cat((keys, ks[:, :, take]), dim=2)
+                values = torch.cat((values, vs[:, :, take]), dim=2)
+                visible = torch.cat((visible, (c_pos <= p) & (p < seal[slots[take]])), dim=1)
+                pos = torch.cat((pos, c_pos))
+            if window is not None:
+                visible &= pos > p - window
+            out[:, :, t0:t1] = F.scaled_dot_product_attention(
+                q[:, :, t0:t1], keys, values, attn_mask=visible, enable_gqa=q.shape[1] != H)
         return out
 
     def reset(self) -> None:
