@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 import kvcache
+import rss  # benchmarks/rss.py: the script's own folder is on the path
 
 STORAGES = ["full", "int8", "int4", "int2", "token4"]
 MODELS = {"bundled": 4096, "llama128": 32768}  # the longest prompt each takes
@@ -38,20 +39,6 @@ MODELS = {"bundled": 4096, "llama128": 32768}  # the longest prompt each takes
 
 def log(*args) -> None:
     print(*args, file=sys.stderr, flush=True)
-
-
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
-def _trim() -> None:
-    import ctypes
-
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def build_llama128(path: Path) -> None:
@@ -69,10 +56,9 @@ def run_case(model_dir: str | None, storage: str, tokens: int, chunk: int | None
     torch.set_num_threads(threads)
     model = kvcache.load(model_dir, dtype=torch.float32)
     ids = torch.randint(3, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(1))
-    _trim()
-    before = _status("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current resident set
+    rss.trim()
+    before = rss.status("VmRSS")
+    rss.reset_peak()
     start = time.perf_counter()
     with torch.inference_mode():
         cache = kvcache.make_cache(model, f"dense:{storage}", cache_length=tokens)
@@ -80,7 +66,7 @@ def run_case(model_dir: str | None, storage: str, tokens: int, chunk: int | None
         for s in range(0, tokens, step):
             logits = model(ids[:, s : s + step], cache=cache, last_only=True)
     elapsed = time.perf_counter() - start
-    peak = _status("VmHWM") - before
+    peak = rss.status("VmHWM") - before
     return {"seconds": elapsed, "peak_mib": peak / 2**20, "cache_mib": cache.nbytes() / 2**20,
             "finite": bool(torch.isfinite(logits).all())}
 

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 import kvcache
+import rss  # benchmarks/rss.py: the script's own folder is on the path
 from kvcache import attention
 from kvcache.cache import CacheSpec, KVCache
 from kvcache.cache.policies.dense import DenseCache
@@ -103,20 +104,6 @@ def measure_bytes(tokens: int = 32768) -> dict:
 # ----- memory (one fresh process per storage) -----------------------------------------------
 
 
-def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key):
-                return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
-def _trim() -> None:
-    import ctypes
-
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
 def memory_case(case: str, tokens: int) -> dict:
     """Runs in its own process (``--memory-case``): see the module docstring."""
     torch.set_num_threads(1)
@@ -126,8 +113,8 @@ def memory_case(case: str, tokens: int) -> dict:
         warm_cache, warm = layer("full" if case == "sdpa" else case.removesuffix("_decode_all"), 2048)
         decode_step(warm_cache, warm, gen)
         del warm_cache, warm
-        _trim()
-        base = _status("VmRSS")
+        rss.trim()
+        base = rss.status("VmRSS")
         if case == "sdpa":
             k = torch.randn(B, HKV, tokens, D)
             v = torch.randn(B, HKV, tokens, D)
@@ -147,12 +134,11 @@ def memory_case(case: str, tokens: int) -> dict:
                     return attention.masked(q, ks.decoded(), vs.decoded(), cache.lengths[:, None], pos, all_visible=True)
             else:
                 run = lambda: decode_step(cache, dense, gen)  # noqa: E731
-        _trim()
-        before = _status("VmRSS")
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset the peak (VmHWM) to the current resident set
+        rss.trim()
+        before = rss.status("VmRSS")
+        rss.reset_peak()
         run()
-        peak = _status("VmHWM")
+        peak = rss.status("VmHWM")
     return {"case": case, "cache_bytes": cache_bytes, "temporaries": peak - before, "peak": peak - base}
 
 

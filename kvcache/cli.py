@@ -23,6 +23,7 @@ from . import __version__, load, load_tokenizer, make_cache, option_info, polici
 from .cache import budget_options
 from .checkpoint import Tokenizer, generation_config
 from .errors import GenerationError, KVCacheError, KVCacheWarning
+from .memory import human
 from .generate import DEFAULT_PREFILL_CHUNK, generate, truncate_at_stop
 from .prefix import DEFAULT_MAX_BYTES, INDEX, PrefixStore
 
@@ -433,14 +434,6 @@ def _add_drift(commands) -> None:
 # --- kvcache generate ---
 
 
-def _human_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
 def _per_second(tokens: int, seconds: float) -> float | None:
     return tokens / seconds if tokens > 0 and seconds > 0 else None
 
@@ -607,7 +600,7 @@ def _generate(args: argparse.Namespace) -> None:
         _print_summary(ids, new, clock, end, cache)
         if store is not None:
             print(f"prompt cache {args.prompt_cache}: reused {sum(reused)} of {sum(map(len, ids))} prompt tokens; "
-                  f"{len(store)} entries, {_human_bytes(store.nbytes)}", file=sys.stderr)
+                  f"{len(store)} entries, {human(store.nbytes)}", file=sys.stderr)
 
 
 def _prompt_cache(args: argparse.Namespace, model, cache) -> PrefixStore | None:
@@ -686,7 +679,7 @@ def _print_summary(ids, new, clock: Clock, end: float, cache) -> None:
     print(
         f"{batch}prompt tokens: {sum(map(len, ids))} | new tokens: {sum(map(len, new))} | "
         f"prefill: {_rate(sum(map(len, ids)), clock.prefill_s(end))} | {compiled}decode: {_rate(decoded, decode_s)} | "
-        f"cache memory: {_human_bytes(cache.nbytes())} ({cache.policy}, {cache.cache_length} slots)",
+        f"cache memory: {human(cache.nbytes())} ({cache.policy}, {cache.cache_length} slots)",
         file=sys.stderr,
     )
 

@@ -31,7 +31,7 @@ def available_bytes(device: torch.device) -> int | None:
 
 
 def human(n: float) -> str:
-    """Bytes as B, KiB, MiB, GiB or TiB."""
+    """Bytes as B, KiB, MiB, GiB or TiB (one decimal past bytes)."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
