@@ -383,6 +383,13 @@ def _send_back(buffer: torch.Tensor, pos: torch.Tensor, grad: torch.Tensor | Non
     buffer.scatter_add_(2, index, grad.to(buffer.device, torch.float32))
 
 
+def _check_not_backpropagated(ctx) -> None:
+    """The recorded keys and values are freed by a loss's first backward: a second one cannot run."""
+    if ctx.plan is None:
+        raise RuntimeError("this chunked_loss was already backpropagated (its recorded keys and values are "
+                           "freed by the first backward); call chunked_loss again")
+
+
 class _ChunkedLoss(torch.autograd.Function):
     """The loss as one autograd node over the parameters: forward is the recording pass,
     backward the chunk-by-chunk gradient pass."""
@@ -395,9 +402,7 @@ class _ChunkedLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        if ctx.plan is None:
-            raise RuntimeError("this chunked_loss was already backpropagated (its recorded keys and values are "
-                               "freed by the first backward); call chunked_loss again")
+        _check_not_backpropagated(ctx)
         grads = ctx.plan.backward(grad, list(ctx.params))
         ctx.plan = None  # the recorded keys and values are freed with the graph
         return (None, *grads)
@@ -415,9 +420,7 @@ class _ShardedChunkedLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        if ctx.plan is None:
-            raise RuntimeError("this chunked_loss was already backpropagated (its recorded keys and values are "
-                               "freed by the first backward); call chunked_loss again")
+        _check_not_backpropagated(ctx)
         ctx.plan.backward_into_grad(grad)
         ctx.plan = None
         return None, None

@@ -59,10 +59,9 @@ class KiviStorage(TokenStorage):
 
     @classmethod
     def check(cls, name: str, bits: int, group: int | None, head_dim: int) -> None:
-        """Raise ValueError if ``bits`` and ``group`` cannot hold keys of ``head_dim`` channels (its group
-        counts slots, so any head size whose codes fill whole bytes works)."""
-        if head_dim * bits % 8:
-            raise ValueError(f"storage {name!r}: head_dim {head_dim} does not fill whole bytes of {bits}-bit codes")
+        """Raise ValueError if ``bits`` cannot hold keys of ``head_dim`` channels: the group counts
+        slots here, so only the token layout's whole-bytes rule applies."""
+        super().check(name, bits, None, head_dim)
 
     @classmethod
     def build(cls, spec: CacheSpec, bits: int, group: int | None, per_head: bool = False) -> KiviStorage:
