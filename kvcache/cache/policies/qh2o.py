@@ -82,11 +82,12 @@ class QH2OCache(H2OCache):
 
     def priority(self, c: Candidates) -> torch.Tensor:
         w = self.options.weight
-        ranked = (c.positions >= 0) & ~self.protected(c)
+        protected = self.protected(c)
+        ranked = (c.positions >= 0) & ~protected
         score = _minmax(self.heavy(c), ranked)
         error = _minmax(c.stats["error"], ranked)
         prio = w * score + (w - 1) / 2 * error + (1 - w)
-        return prio.masked_fill(self.protected(c), PROTECTED)
+        return prio.masked_fill(protected, PROTECTED)
 
 
 def _minmax(x: torch.Tensor, ranked: torch.Tensor) -> torch.Tensor:
