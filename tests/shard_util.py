@@ -15,7 +15,7 @@ import torch
 
 import kvcache
 from kvcache.train.lora import add_lora
-from kvcache.train.shard import full_state_dict, init_distributed, rank_rows, shard, unwrap
+from kvcache.train.shard import full_state_dict, init_distributed, leave_distributed, rank_rows, shard, unwrap
 from train_util import relative_errors, token_ids
 
 
@@ -88,7 +88,7 @@ def equivalence(rank: int, world: int, port: int, ckpt: str, cases: list[dict], 
                         "state_equal": all(torch.equal(state[n], t) for n, t in reference.state_dict().items())})
     if rank == 0:
         Path(out).write_text(json.dumps(results))
-    torch.distributed.destroy_process_group()
+    leave_distributed(finished=True)
 
 
 def failing_rank(rank: int, world: int, port: int, ckpt: str, mode: str) -> None:

@@ -18,7 +18,7 @@ from .data import token_rows
 from .lora import DEFAULT_TARGETS, add_lora, is_lora, merge_lora, save_adapter
 from .loop import FinetuneConfig, check_rows, describe, finetune
 from .save import read_config, save_checkpoint
-from .shard import full_state_dict, init_distributed
+from .shard import full_state_dict, init_distributed, leave_distributed
 from .step import base_model
 
 
@@ -32,13 +32,16 @@ def run(args, options: dict) -> Path:
             rank, _ = init_distributed(args.device, timeout=args.dist_timeout)
         except RuntimeError as e:
             raise ValueError(str(e)) from None
+    finished = False
     try:
-        return _run(args, options, rank)
+        out = _run(args, options, rank)
+        finished = True
+        return out
     except ValueError as e:
         raise ValueError(f"rank {rank}: {e}" if args.shard else str(e)) from None
     finally:
-        if args.shard and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        if args.shard:
+            leave_distributed(finished)
 
 
 def _say(rank: int, message: str) -> None:

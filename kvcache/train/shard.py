@@ -57,6 +57,19 @@ def init_distributed(device: torch.device | str = "cpu", timeout: float = DEFAUL
     return dist.get_rank(), dist.get_world_size()
 
 
+def leave_distributed(finished: bool) -> None:
+    """Leave the process group joined by ``init_distributed`` (a no-op when none is). With
+    ``finished`` (every rank got through its work), wait for the other ranks first: gloo aborts a
+    process whose peers tear down their connections while its own are still open, so ranks that
+    leave at different moments can crash after the work is done. After an error the ranks are
+    not all coming, so leave without waiting."""
+    if not dist.is_initialized():
+        return
+    if finished:
+        dist.barrier()
+    dist.destroy_process_group()
+
+
 def shard(model: torch.nn.Module, how: str) -> torch.nn.Module:
     """``model`` (a ``kvcache.Transformer``, or a peft model of one) wrapped for data parallelism
     over the initialised process group: ``"ddp"`` (each rank holds everything, gradients
