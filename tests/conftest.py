@@ -3,10 +3,21 @@
 Every checkpoint is built from a transformers config, its parameters perturbed so that biases and
 norm weights are far from their (zero / one) initial values, saved with ``save_pretrained`` into a
 session temporary directory and loaded back with kvcache. Nothing is downloaded.
+
+The device. ``KVCACHE_TEST_DEVICE`` (``cpu``, the default, or ``cuda`` / ``cuda:N``) names the device
+every test builds its models, ids and caches on: through the ``device`` fixture, ``DEVICE``,
+``random_ids`` and the model fixtures here. A device that is not there fails the run at start-up
+(it never falls back to the CPU). Tests that are CPU-only by nature (command-line subprocesses,
+gloo process groups, vLLM's CPU build, file formats) carry ``pytest.mark.cpu_only`` with the
+reason, and run on the CPU whatever the variable says; ``-m "not cpu_only"`` leaves them out.
+
+Tolerances. ``TOLERANCES`` is the one per-dtype table of the largest max-abs difference each kind
+of comparison accepts; ``atol(kind, dtype)`` reads it.
 """
 
 from __future__ import annotations
 
+import os
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,22 +34,87 @@ torch.set_num_threads(1)
 VOCAB = 128
 HIDDEN = 64
 
-# Largest max-abs logit difference accepted between kvcache and transformers (same weights, same
-# input), per dtype. The two implementations order their floating-point operations differently.
-HF_ATOL = {
-    torch.float32: 1e-4,
-    torch.bfloat16: 1.5e-1,
-    torch.float16: 2e-2,
+# ---- the test device -------------------------------------------------------------------------------
+
+DEVICE_VARIABLE = "KVCACHE_TEST_DEVICE"
+
+
+def _device_from_environment() -> tuple[torch.device, str | None]:
+    """(the device KVCACHE_TEST_DEVICE names, None) or (cpu, why the value cannot be used).
+
+    The error is raised by ``pytest_configure``, so that a bad value stops the run before
+    anything is collected instead of failing inside whichever module imports this one first."""
+    value = os.environ.get(DEVICE_VARIABLE, "").strip() or "cpu"
+    try:
+        device = torch.device(value)
+    except RuntimeError:
+        return torch.device("cpu"), f"{DEVICE_VARIABLE}={value!r} is not a device: use cpu or cuda (or cuda:N)"
+    if device.type == "cpu":
+        return torch.device("cpu"), None
+    if device.type != "cuda":
+        return torch.device("cpu"), f"{DEVICE_VARIABLE}={value!r}: the suite runs on cpu or cuda (or cuda:N) only"
+    if not torch.cuda.is_available():
+        return torch.device("cpu"), (
+            f"{DEVICE_VARIABLE}={value!r} but torch {torch.__version__} sees no CUDA device here "
+            f"(torch.version.cuda is {torch.version.cuda}); run on a machine with a GPU and a CUDA build of "
+            f"torch, or unset {DEVICE_VARIABLE} to run on the CPU"
+        )
+    index = 0 if device.index is None else device.index
+    if index >= torch.cuda.device_count():
+        return torch.device("cpu"), (
+            f"{DEVICE_VARIABLE}={value!r} but only {torch.cuda.device_count()} CUDA device(s) are visible"
+        )
+    return torch.device("cuda", index), None
+
+
+DEVICE, _DEVICE_ERROR = _device_from_environment()
+
+
+def pytest_configure(config):
+    if _DEVICE_ERROR is not None:
+        raise pytest.UsageError(_DEVICE_ERROR)
+    config.addinivalue_line(
+        "markers", f"cpu_only(reason): runs on the CPU whatever {DEVICE_VARIABLE} says (the reason says why)"
+    )
+
+
+def pytest_report_header(config):
+    return f"kvcache test device: {DEVICE} ({DEVICE_VARIABLE})"
+
+
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    """The device tests build their models, ids and caches on (``KVCACHE_TEST_DEVICE``)."""
+    return DEVICE
+
+
+# ---- tolerances ---------------------------------------------------------------------------------------
+
+# Largest max-abs difference accepted, per dtype and kind of comparison:
+#   same   the same computation arranged differently (a row alone or in a batch, blocked or whole,
+#          the last position or all of them);
+#   cache  a cached (chunked) run against the plain forward of kvcache itself: only the matmul
+#          shapes differ, so this is tighter than hf;
+#   hf     kvcache against transformers (same weights, same input): the two implementations order
+#          their floating-point operations differently.
+TOLERANCES: dict[torch.dtype, dict[str, float]] = {
+    torch.float64: {"cache": 1e-10},
+    torch.float32: {"same": 1e-6, "cache": 1e-5, "hf": 1e-4},
+    torch.bfloat16: {"cache": 1.5e-1, "hf": 1.5e-1},
+    torch.float16: {"cache": 2e-2, "hf": 2e-2},
 }
 
-# Largest max-abs logit difference accepted between a cached (chunked) run and the plain forward
-# of kvcache itself: only the matmul shapes differ, so this is tighter than HF_ATOL.
-CACHE_ATOL = {
-    torch.float64: 1e-10,
-    torch.float32: 1e-5,
-    torch.bfloat16: 1.5e-1,
-    torch.float16: 2e-2,
-}
+
+def atol(kind: str, dtype: torch.dtype = torch.float32) -> float:
+    """The tolerance of comparison ``kind`` (same, cache, hf) in ``dtype``, from TOLERANCES."""
+    try:
+        return TOLERANCES[dtype][kind]
+    except KeyError:
+        raise KeyError(f"TOLERANCES has no {kind!r} tolerance for {dtype}; add one to tests/conftest.py") from None
+
+
+HF_ATOL = {dtype: row["hf"] for dtype, row in TOLERANCES.items() if "hf" in row}
+CACHE_ATOL = {dtype: row["cache"] for dtype, row in TOLERANCES.items() if "cache" in row}
 
 _COMMON = dict(
     vocab_size=VOCAB,
@@ -137,7 +213,7 @@ def checkpoint_factory(tmp_path_factory):
             hf = build_hf_model(name)
             path = tmp_path_factory.mktemp(f"ckpt_{name}")
             hf.save_pretrained(path)
-            built[name] = Checkpoint(name, path, hf)
+            built[name] = Checkpoint(name, path, hf.to(DEVICE))
         return built[name]
 
     return factory
@@ -145,12 +221,12 @@ def checkpoint_factory(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def model_factory(checkpoint_factory):
-    """``factory(name)`` -> kvcache Transformer (fp32), loaded once per session per family."""
+    """``factory(name)`` -> kvcache Transformer (fp32) on the test device, loaded once per session per family."""
     loaded: dict[str, kvcache.Transformer] = {}
 
     def factory(name: str) -> kvcache.Transformer:
         if name not in loaded:
-            loaded[name] = kvcache.load(checkpoint_factory(name).path)
+            loaded[name] = kvcache.load(checkpoint_factory(name).path, dtype=torch.float32, device=DEVICE)
         return loaded[name]
 
     return factory
@@ -173,10 +249,12 @@ def clean_hook(llama):
     llama.layer_hook = None
 
 
-def random_ids(n: int, batch: int = 1, seed: int = 0, low: int = 3) -> torch.Tensor:
-    """(batch, n) random token ids avoiding the special ids 0..2."""
+def random_ids(n: int, batch: int = 1, seed: int = 0, low: int = 3, device: torch.device | str = DEVICE) -> torch.Tensor:
+    """(batch, n) random token ids avoiding the special ids 0..2, on ``device`` (the test device).
+
+    Drawn on the CPU, so a seed gives the same ids on every device."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(low, VOCAB, (batch, n), generator=g)
+    return torch.randint(low, VOCAB, (batch, n), generator=g).to(device)
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -214,4 +292,4 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny(tiny_dir):
-    return kvcache.load(tiny_dir, dtype=torch.float32)
+    return kvcache.load(tiny_dir, dtype=torch.float32, device=DEVICE)
