@@ -1,33 +1,46 @@
 """Decode benchmark: kvcache vs transformers ``generate`` on identical random Llama weights, with a roofline.
 
-For each shape a random ``LlamaForCausalLM`` is built from a ``LlamaConfig`` (fixed seed), saved with
-``save_pretrained`` to a temporary directory and loaded back with ``kvcache.load``, so both engines run
-the very same fp32 weights. Both generate greedily, batch 1, with EOS disabled, so each produces
-exactly ``--new-tokens`` tokens; the greedy tokens are compared and reported.
+For each shape a random ``LlamaForCausalLM`` is built from a ``LlamaConfig`` (fixed seed) in ``--dtype``
+on ``--device``. On the CPU it is saved with ``save_pretrained`` to a temporary directory and loaded back
+with ``kvcache.load``; elsewhere kvcache's model is built over the very tensors of the transformers model
+(an 8B model would otherwise go through the disk twice and be held twice). Either way both engines run
+the same weights. Both generate greedily, ``--batch`` rows of equal length, with EOS disabled, so each
+produces exactly ``--new-tokens`` tokens per row; row 0's greedy tokens are compared and reported.
 
 How time is measured (the same way for both engines):
     * t0 is taken just before the ``generate`` call; every new token is timestamped as the engine hands
       it to the host (kvcache: the ``on_token`` callback; transformers: a ``streamer`` whose ``put`` is
       called once with the prompt, then once per new token).
+    * on CUDA the device is synchronised before t0 (nothing queued earlier is counted); the stamps
+      need no more, since a token reaches the host only once the step that made it has finished.
+      With a batch, row 0's tokens are stamped: every row advances one token per step.
     * prefill = first token stamp - t0 (time to first token: prompt forward + first greedy pick,
       including each engine's per-call setup); prefill tok/s = prompt tokens / prefill.
     * decode = last token stamp - first token stamp, covering N - 1 one-token forward steps;
-      decode tok/s = (N - 1) / decode.
+      decode tok/s = (N - 1) / decode, per row (the batch's tokens per second are ``batch`` times it).
+    * on CUDA, peak memory is ``torch.cuda.max_memory_allocated`` over each engine's timed runs
+      (statistics reset before each run): weights, cache and temporaries.
     * each engine is warmed up once per shape (a short prompt, a few tokens), then timed ``--repeats``
       times, the engines taking turns; the best prefill and the best decode are reported, every run is
       listed under ``runs``. The 1-minute load average before and after each shape is recorded: on a
       2-core machine another busy process stalls torch's 2-thread parallel regions badly.
 
-Roofline (same process, same run): read bandwidth is the best of several ``x.sum()`` over a ~1 GiB fp32
-tensor. A decoded token must read every weight once (all matrices, norms, lm_head; one embedding row)
-plus the K and V of every cached token in every layer (at the mean context length of the decode), so
-roofline tok/s = bandwidth / (weight bytes + KV bytes per token). Two practical ceilings are measured
+Roofline (same process, same run, same device): read bandwidth is the best of several ``x.sum()`` over a
+~1 GiB fp32 tensor. A decode step must read every weight once (all matrices, norms, lm_head; one
+embedding row per row of the batch) plus the K and V of every cached token in every layer of every row
+(at the mean context length of the decode), so roofline steps/s = bandwidth / (weight bytes + batch x KV
+bytes per row). Two practical ceilings are measured
 with plain torch ops on the model's own weights: ``linear`` (one ``F.linear`` matvec per weight matrix
 per token, nothing else) and ``linear+sdpa`` (that plus one SDPA per layer over a K/V of the mean
 context length, grouped heads folded into the query axis).
 
 Usage:
     python benchmarks/decode.py [--shapes 5M@512,5M@16k,200M@512] [--new-tokens 64] [--out FILE]
+    python benchmarks/decode.py --device cuda --dtype bfloat16 --shapes 8B@1k --batch 1,16 --compiled
+
+On CUDA, ``--compiled``'s transformers engine is ``generate(cache_implementation="static")``, which
+transformers compiles itself there (its decode step, with CUDA graphs); on the CPU, where it does
+not, the forward of a second copy of the model is compiled (``torch.compile(fullgraph=True)``).
 
 Prints one JSON object on stdout; progress goes to stderr. CPU timings are noisy on a shared machine:
 compare runs, not single numbers. On a small, oversubscribed machine every torch OpenMP parallel
@@ -38,6 +51,7 @@ region (SDPA in particular) can stall for a scheduler time slice; ``--threads 1`
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -57,7 +71,15 @@ SHAPES: dict[str, tuple[str, int]] = {
     "5M@512": ("5M", 512),
     "5M@16k": ("5M", 16384),
     "200M@512": ("200M", 512),
+    # A smoke test's shape: seconds on a CPU.
+    "tiny@64": ("tiny", 64),
+    # The GPU shapes (docs/gpu.md): Llama 3.2 1B and Llama 3 8B geometry, random weights.
+    "1B@1k": ("1B", 1024),
+    "1B@32k": ("1B", 32768),
+    "8B@1k": ("8B", 1024),
+    "8B@32k": ("8B", 32768),
 }
+DEFAULT_SHAPES = ["5M@512", "5M@16k", "200M@512"]
 
 MODELS: dict[str, dict] = {
     "5M": dict(
@@ -68,13 +90,49 @@ MODELS: dict[str, dict] = {
         hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16,
         num_key_value_heads=8, vocab_size=32000,
     ),
+    "tiny": dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=512,
+    ),
+    "1B": dict(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
+    ),
+    "8B": dict(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
+    ),
 }
 
 # Minimum kvcache / transformers decode tok/s ratio per shape (from the issue).
 FLOORS: dict[str, float] = {"5M@512": 5.0, "5M@16k": 10.0, "200M@512": 1.0}
 
-MAX_POSITIONS = 32768
+# A 32k prompt and its new tokens.
+MAX_POSITIONS = 32768 + 1024
 SEED = 0
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (CUDA runs asynchronously; the CPU does not)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_bytes(device: torch.device) -> int | None:
+    """Peak bytes allocated on ``device`` since ``reset_peak`` (None on the CPU: no allocator statistics)."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def log(*args) -> None:
@@ -85,30 +143,50 @@ def log(*args) -> None:
 # Models
 
 
-def build_models(key: str, workdir: Path):
-    """A random HF Llama and the kvcache model loaded from its ``save_pretrained`` output."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def build_models(key: str, workdir: Path, device: torch.device = torch.device("cpu"),
+                 dtype: torch.dtype = torch.float32):
+    """A random HF Llama of ``MODELS[key]`` in ``dtype`` on ``device``, and kvcache's model of the same weights
+    (on the CPU loaded from the HF model's ``save_pretrained`` output in ``workdir / key``; elsewhere sharing
+    its tensors)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
+    settings = dict(MODELS[key])
+    rope_theta = settings.pop("rope_theta", None)
     cfg = LlamaConfig(
-        **MODELS[key],
+        **settings,
         max_position_embeddings=MAX_POSITIONS,
         tie_word_embeddings=False,
         bos_token_id=None,
         eos_token_id=None,
         pad_token_id=None,
-        torch_dtype="float32",
+        **({} if rope_theta is None else {"rope_parameters": {"rope_type": "default", "rope_theta": rope_theta}}),
     )
-    cfg._attn_implementation = "sdpa"
     torch.manual_seed(SEED)
-    hf = LlamaForCausalLM(cfg).to(torch.float32).eval()
+    with torch.device(device):
+        hf = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=dtype).eval()
     # Make sure generate never stops early or rewrites logits.
     hf.generation_config.eos_token_id = None
     hf.generation_config.bos_token_id = None
     hf.generation_config.pad_token_id = 0
-    path = workdir / key
-    hf.save_pretrained(path)
-    kv = kvcache.load(path)
-    return hf, kv
+    if device.type == "cpu":
+        path = workdir / key
+        hf.save_pretrained(path)
+        return hf, kvcache.load(path, dtype=dtype, device=device)
+    return hf, kvcache_sharing(hf)
+
+
+def kvcache_sharing(hf) -> kvcache.Transformer:
+    """kvcache's model over the tensors of the transformers model ``hf`` (no copy): the names are the
+    checkpoint's, less the leading ``model.``."""
+    from kvcache.config import ModelConfig
+
+    cfg = ModelConfig.from_hf(hf.config.to_dict())
+    with torch.device("meta"):
+        kv = kvcache.Transformer(cfg)
+    state = {name.removeprefix("model."): t for name, t in hf.state_dict().items()}
+    kv.load_state_dict({name: state[name] for name in kv.state_dict()}, strict=True, assign=True)
+    kv.reset_rope()
+    return kv.eval()
 
 
 def weight_bytes_per_token(kv_model: torch.nn.Module) -> int:
@@ -137,15 +215,29 @@ def kv_bytes_per_token(kv_model: torch.nn.Module, context: float) -> float:
 # Engines
 
 
-def run_kvcache(model, prompt: list[int], n: int) -> dict:
-    stamps: list[float] = []
+def model_device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def row0_stamper(stamps: list[float]):
+    """An ``on_token`` callback that stamps row 0's tokens (every row advances once per step)."""
 
     def on_token(row: int, token: int) -> None:
-        stamps.append(time.perf_counter())
+        if row == 0:
+            stamps.append(time.perf_counter())
 
+    return on_token
+
+
+def run_kvcache(model, prompts: list[list[int]], n: int) -> dict:
+    """``prompts``: the batch's rows, of equal length."""
+    stamps: list[float] = []
+    device = model_device(model)
+    reset_peak(device)
+    sync(device)
     t0 = time.perf_counter()
-    tokens = kvcache.generate(model, prompt, max_new_tokens=n, stop_tokens=(), on_token=on_token)
-    return timing(t0, stamps, tokens, len(prompt))
+    tokens = kvcache.generate(model, prompts, max_new_tokens=n, stop_tokens=(), on_token=row0_stamper(stamps))
+    return {**timing(t0, stamps, tokens[0], len(prompts[0])), "peak_bytes": peak_bytes(device)}
 
 
 # Captured engines keep one cache (kvcache) or one compiled static-cache model per prompt shape;
@@ -154,44 +246,52 @@ _CAPTURED: dict[tuple, object] = {}
 COMPILE_S: dict[tuple, float] = {}
 
 
-def run_kvcache_compiled(model, prompt: list[int], n: int) -> dict:
+def run_kvcache_compiled(model, prompts: list[list[int]], n: int) -> dict:
     """kvcache with ``compile=True`` over a cache kept per shape, so every timed run replays the capture."""
-    key = ("kvcache", id(model), len(prompt), n)
+    key = ("kvcache", id(model), len(prompts), len(prompts[0]), n)
+    device = model_device(model)
     if key not in _CAPTURED:
-        cache = kvcache.make_cache(model, "dense", cache_length=len(prompt) + n)
+        cache = kvcache.make_cache(model, "dense", cache_length=len(prompts[0]) + n, batch_size=len(prompts))
+        sync(device)
         start = time.perf_counter()
-        kvcache.generate(model, prompt, max_new_tokens=n, stop_tokens=(), cache=cache, compile=True)
+        kvcache.generate(model, prompts, max_new_tokens=n, stop_tokens=(), cache=cache, compile=True)
+        sync(device)
         COMPILE_S[key] = time.perf_counter() - start
         _CAPTURED[key] = cache
     stamps: list[float] = []
+    reset_peak(device)
+    sync(device)
     t0 = time.perf_counter()
-    tokens = kvcache.generate(model, prompt, max_new_tokens=n, stop_tokens=(), cache=_CAPTURED[key], compile=True,
-                              on_token=lambda row, token: stamps.append(time.perf_counter()))
-    return {**timing(t0, stamps, tokens, len(prompt)), "compile_s": COMPILE_S[key]}
+    tokens = kvcache.generate(model, prompts, max_new_tokens=n, stop_tokens=(), cache=_CAPTURED[key], compile=True,
+                              on_token=row0_stamper(stamps))
+    return {**timing(t0, stamps, tokens[0], len(prompts[0])), "compile_s": COMPILE_S[key],
+            "peak_bytes": peak_bytes(device)}
 
 
-def run_transformers_compiled(model, prompt: list[int], n: int) -> dict:
-    """transformers' static cache with ``torch.compile(model.forward)`` (fullgraph); the first
-    call per shape compiles."""
-    key = ("transformers", id(model), len(prompt), n)
+def run_transformers_compiled(model, prompts: list[list[int]], n: int) -> dict:
+    """transformers' static cache, compiled (see the module docstring); the first call per shape compiles."""
+    key = ("transformers", id(model), len(prompts), len(prompts[0]), n)
     if key not in COMPILE_S:
         start = time.perf_counter()
-        run_transformers(model, prompt, n)
+        run_transformers(model, prompts, n, static=True)
         COMPILE_S[key] = time.perf_counter() - start
-    return {**run_transformers(model, prompt, n), "compile_s": COMPILE_S[key]}
+    return {**run_transformers(model, prompts, n, static=True), "compile_s": COMPILE_S[key]}
 
 
-def compiled_transformers(path: Path):
-    """A second transformers model of the same weights, static cache and compiled forward."""
+def compiled_transformers(hf, path: Path | None):
+    """The model the compiled transformers engine runs. On CUDA the same model: transformers compiles the
+    decode step of a static cache itself. On the CPU, where it does not, a second model of the same
+    weights (from ``path``) whose forward is compiled."""
+    if model_device(hf).type != "cpu":
+        return hf
     from transformers import LlamaForCausalLM
 
-    hf = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
-    hf.generation_config.eos_token_id = None
-    hf.generation_config.bos_token_id = None
-    hf.generation_config.pad_token_id = 0
-    hf.generation_config.cache_implementation = "static"
-    hf.forward = torch.compile(hf.forward, fullgraph=True)
-    return hf
+    copy = LlamaForCausalLM.from_pretrained(path, dtype=hf.dtype, attn_implementation="sdpa").eval()
+    copy.generation_config.eos_token_id = None
+    copy.generation_config.bos_token_id = None
+    copy.generation_config.pad_token_id = 0
+    copy.forward = torch.compile(copy.forward, fullgraph=True)
+    return copy
 
 
 class _StampStreamer:
@@ -210,10 +310,13 @@ class _StampStreamer:
         pass
 
 
-def run_transformers(model, prompt: list[int], n: int) -> dict:
-    ids = torch.tensor([prompt], dtype=torch.long)
+def run_transformers(model, prompts: list[list[int]], n: int, static: bool = False) -> dict:
+    device = model_device(model)
+    ids = torch.tensor(prompts, dtype=torch.long, device=device)
     mask = torch.ones_like(ids)
     streamer = _StampStreamer()
+    reset_peak(device)
+    sync(device)
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(
@@ -227,9 +330,10 @@ def run_transformers(model, prompt: list[int], n: int) -> dict:
             eos_token_id=None,
             pad_token_id=0,
             streamer=streamer,
+            **({"cache_implementation": "static"} if static else {}),
         )
-    tokens = out[0, len(prompt):].tolist()
-    return timing(t0, streamer.stamps, tokens, len(prompt))
+    tokens = out[0, len(prompts[0]):].tolist()
+    return {**timing(t0, streamer.stamps, tokens, len(prompts[0])), "peak_bytes": peak_bytes(device)}
 
 
 def timing(t0: float, stamps: list[float], tokens: list[int], prompt_len: int) -> dict:
@@ -252,10 +356,12 @@ def timing(t0: float, stamps: list[float], tokens: list[int], prompt_len: int) -
 def summarize(runs: list[dict]) -> dict:
     best_prefill = min(runs, key=lambda r: r["prefill_s"])
     best_decode = min(runs, key=lambda r: r["decode_s"])
+    peaks = [r["peak_bytes"] for r in runs if r.get("peak_bytes") is not None]
     return {
         "prefill_tok_s": best_prefill["prefill_tok_s"],
         "decode_tok_s": best_decode["decode_tok_s"],
         "decode_ms_per_token": best_decode["decode_ms_per_token"],
+        "peak_bytes": max(peaks) if peaks else None,
         "new_tokens": len(runs[0]["tokens"]),
         "runs": [
             {k: (round(v, 6) if isinstance(v, float) else v) for k, v in r.items() if k != "tokens"} for r in runs
@@ -264,16 +370,22 @@ def summarize(runs: list[dict]) -> dict:
     }
 
 
-def bench_engines(engines: dict, prompt: list[int], repeats: int) -> dict:
-    """Warm each engine up once, then time them in turn (interleaved, so load spikes hit both alike)."""
-    warm_prompt = prompt[: min(len(prompt), 128)]
+COMPILED_ENGINES = (run_kvcache_compiled, run_transformers_compiled)
+
+
+def bench_engines(engines: dict, prompts: list[list[int]], repeats: int) -> dict:
+    """Warm each eager engine up once, then time them in turn (interleaved, so load spikes hit all alike).
+    A compiled engine's warm-up is its first call at the timed shape, which compiles (and is not timed):
+    a warm-up at another shape would only compile a second time."""
+    warm_prompts = [row[: min(len(row), 128)] for row in prompts]
     for name, (fn, model, n) in engines.items():
-        log(f"  {name}: warm-up ({len(warm_prompt)} prompt tokens, 4 new)")
-        fn(model, warm_prompt, 4)
+        if fn not in COMPILED_ENGINES:
+            log(f"  {name}: warm-up ({len(warm_prompts[0])} prompt tokens, 4 new)")
+            fn(model, warm_prompts, 4)
     runs: dict[str, list[dict]] = {name: [] for name in engines}
     for r in range(repeats):
         for name, (fn, model, n) in engines.items():
-            res = fn(model, prompt, n)
+            res = fn(model, prompts, n)
             log(
                 f"  {name}: run {r + 1}/{repeats}: prefill {res['prefill_tok_s']:.1f} tok/s ({res['prefill_s']:.3f} s), "
                 f"decode {res['decode_tok_s']:.1f} tok/s ({res['decode_ms_per_token']:.2f} ms/token)"
@@ -286,41 +398,53 @@ def bench_engines(engines: dict, prompt: list[int], repeats: int) -> dict:
 # Bandwidth and ceilings
 
 
-def best_time(fn, repeats: int, inner: int = 1) -> float:
+def best_time(fn, repeats: int, inner: int = 1, device: torch.device = torch.device("cpu")) -> float:
+    """Best seconds per call of ``fn`` over ``repeats`` samples of ``inner`` calls (the device synchronised
+    before and after each sample)."""
     best = math.inf
     for _ in range(repeats):
+        sync(device)
         t = time.perf_counter()
         for _ in range(inner):
             fn()
+        sync(device)
         best = min(best, (time.perf_counter() - t) / inner)
     return best
 
 
-def read_bandwidth(nbytes: int, repeats: int = 7) -> float:
-    """Bytes/s of ``x.sum()`` over an fp32 tensor of ``nbytes`` (best of ``repeats``)."""
-    x = torch.ones(nbytes // 4, dtype=torch.float32)
+def read_bandwidth(nbytes: int, repeats: int = 7, device: torch.device = torch.device("cpu")) -> float:
+    """Bytes/s of ``x.sum()`` over an fp32 tensor of ``nbytes`` on ``device`` (best of ``repeats``)."""
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
     x.sum()
     inner = max(1, int(2**28 // nbytes))  # repeat small tensors so each sample is not timer-noise
-    t = best_time(lambda: x.sum(), repeats, inner)
+    if device.type == "cuda":
+        inner = max(inner, 10)  # a GPU reads 1 GiB in well under a millisecond
+    t = best_time(lambda: x.sum(), repeats, inner, device)
     del x
     return nbytes / t
 
 
-def linear_ceiling(kv_model, context: int | None, repeats: int = 5) -> float:
-    """Seconds per token of plain torch ops over the model's weights (and, with ``context``, its K/V)."""
+def linear_ceiling(kv_model, context: int | None, repeats: int = 5, batch: int = 1) -> float:
+    """Seconds per decode step of plain torch ops over the model's weights (and, with ``context``, the K/V of
+    ``batch`` rows), in the model's dtype on its device."""
     cfg = kv_model.config
+    device, dtype = model_device(kv_model), kv_model.embed_tokens.weight.dtype
     mats = []
     for layer in kv_model.layers:
         a, m = layer.self_attn, layer.mlp
         mats += [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight,
                  m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight]
     mats.append(kv_model.lm_head.weight)
-    xs = {W.shape[1]: torch.randn(1, 1, W.shape[1]) for W in mats}
+    xs = {W.shape[1]: torch.randn(batch, 1, W.shape[1], device=device, dtype=dtype) for W in mats}
     kvs = []
     if context is not None:
         G, D, H = cfg.num_heads // cfg.num_kv_heads, cfg.head_dim, cfg.num_kv_heads
+
+        def rand(*shape):
+            return torch.randn(*shape, device=device, dtype=dtype)
+
         for _ in kv_model.layers:
-            kvs.append((torch.randn(1, H, G, D), torch.randn(1, H, context, D), torch.randn(1, H, context, D)))
+            kvs.append((rand(batch, H, G, D), rand(batch, H, context, D), rand(batch, H, context, D)))
 
     def step() -> None:
         for W in mats:
@@ -330,28 +454,32 @@ def linear_ceiling(kv_model, context: int | None, repeats: int = 5) -> float:
 
     with torch.inference_mode():
         step()
-        per_step = best_time(step, 1)
+        per_step = best_time(step, 1, device=device)
         inner = max(1, int(0.2 / max(per_step, 1e-6)))
-        return best_time(step, repeats, inner)
+        return best_time(step, repeats, inner, device)
 
 
 # ----------------------------------------------------------------------------------------------------
 
 
-def bench_shape(name: str, hf, kv, bandwidth: float, args) -> dict:
+def bench_shape(name: str, hf, kv, bandwidth: float, args, batch: int = 1) -> dict:
     model_key, prompt_len = SHAPES[name]
     n = args.new_tokens
     n_hf = min(n, args.hf_new_tokens) if args.hf_new_tokens else n
     g = torch.Generator().manual_seed(SEED + prompt_len)
-    prompt = torch.randint(0, kv.config.vocab_size, (prompt_len,), generator=g).tolist()
-    log(f"[{name}] prompt {prompt_len} tokens, {n} new tokens (transformers: {n_hf})")
+    prompts = torch.randint(0, kv.config.vocab_size, (batch, prompt_len), generator=g).tolist()
+    log(f"[{name}, batch {batch}] prompt {prompt_len} tokens, {n} new tokens (transformers: {n_hf})")
 
     load_before = os.getloadavg()
     engines = {"kvcache": (run_kvcache, kv, n), "transformers": (run_transformers, hf, n_hf)}
     if args.compiled:
         engines["kvcache_compiled"] = (run_kvcache_compiled, kv, n)
-        engines["transformers_static_compiled"] = (run_transformers_compiled, compiled_transformers(args.path_of[model_key]), n_hf)
-    res = bench_engines(engines, prompt, args.repeats)
+        engines["transformers_static_compiled"] = (
+            run_transformers_compiled, compiled_transformers(hf, args.path_of.get(model_key)), n_hf)
+    res = bench_engines(engines, prompts, args.repeats)
+    # The captured caches and compiled shapes of this cell are not reused by the next one.
+    _CAPTURED.clear()
+    free_memory(model_device(kv))
     k_res, h_res = res["kvcache"], res["transformers"]
     compiled = {}
     if args.compiled:
@@ -374,25 +502,31 @@ def bench_shape(name: str, hf, kv, bandwidth: float, args) -> dict:
     while agree < common and kt[agree] == ht[agree]:
         agree += 1
 
-    wbytes = weight_bytes_per_token(kv)
+    device = model_device(kv)
+    emb = kv.embed_tokens.weight
+    # One embedding row per row of the batch: weight_bytes_per_token counted one.
+    wbytes = weight_bytes_per_token(kv) + (batch - 1) * emb.shape[1] * emb.element_size()
     mean_ctx = prompt_len + n / 2
-    kvbytes = kv_bytes_per_token(kv, mean_ctx)
+    kvbytes = batch * kv_bytes_per_token(kv, mean_ctx)
     per_token = wbytes + kvbytes
     roofline = bandwidth / per_token
-    log(f"  ceilings: torch F.linear / F.linear+SDPA over the weights (context {int(mean_ctx)})")
-    lin_s = linear_ceiling(kv, None)
-    lin_sdpa_s = linear_ceiling(kv, int(mean_ctx))
-    ws_bw = read_bandwidth(int(per_token) // 4 * 4) if args.working_set_bandwidth else None
+    log(f"  ceilings: torch F.linear / F.linear+SDPA over the weights (context {int(mean_ctx)}, batch {batch})")
+    lin_s = linear_ceiling(kv, None, batch=batch)
+    lin_sdpa_s = linear_ceiling(kv, int(mean_ctx), batch=batch)
+    ws_bw = read_bandwidth(int(per_token) // 4 * 4, device=device) if args.working_set_bandwidth else None
+    free_memory(device)
 
     kd, hd = k_res["decode_tok_s"], h_res["decode_tok_s"]
     ratio = kd / hd
-    floor = FLOORS.get(name)
+    # The CPU floors are batch-1 float32 figures.
+    floor = FLOORS.get(name) if batch == 1 and device.type == "cpu" and emb.dtype == torch.float32 else None
     params = sum(p.numel() for p in kv.parameters())
     out = {
         "model": {"key": model_key, "params": params, **MODELS[model_key],
-                  "dtype": "float32", "hf_attn_implementation": hf.config._attn_implementation},
+                  "dtype": str(emb.dtype).removeprefix("torch."), "hf_attn_implementation": hf.config._attn_implementation},
+        "device": str(device),
         "prompt_tokens": prompt_len,
-        "batch_size": 1,
+        "batch_size": batch,
         "loadavg_1min_before_after": [round(load_before[0], 2), round(load_after[0], 2)],
         "kvcache": k_res,
         "transformers": h_res,
@@ -405,6 +539,7 @@ def bench_shape(name: str, hf, kv, bandwidth: float, args) -> dict:
         "floor_decode_ratio": floor,
         "floor_pass": None if floor is None else ratio >= floor,
         "roofline": {
+            "per": "decode step (one token per row)",
             "weight_bytes_per_token": wbytes,
             "kv_bytes_per_token": kvbytes,
             "kv_context_assumed": mean_ctx,
@@ -433,7 +568,12 @@ def bench_shape(name: str, hf, kv, bandwidth: float, args) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated subset of {', '.join(SHAPES)}")
+    p.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
+                   help=f"comma-separated subset of {', '.join(SHAPES)} (default: {','.join(DEFAULT_SHAPES)})")
+    p.add_argument("--batch", default="1", help="comma-separated batch sizes, each timed at every shape (default 1)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
+    p.add_argument("--dtype", choices=list(DTYPES), default=None,
+                   help="weights and cache dtype (default: float32 on the CPU, bfloat16 elsewhere)")
     p.add_argument("--new-tokens", type=int, default=64, help="new tokens per generate call (>= 2)")
     p.add_argument("--hf-new-tokens", type=int, default=None,
                    help="cap transformers' new tokens (e.g. to shorten slow long-context runs; >= 16 advised)")
@@ -446,15 +586,47 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time kvcache with compile=True and transformers' static cache with a compiled forward")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = p.parse_args(argv)
+    result = run(args, p.error)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    return 0
 
+
+def parse_device(value: str, error) -> torch.device:
+    """The device ``--device`` names; ``error`` (argparse's) when it is not one or not there."""
+    try:
+        device = torch.device(value)
+    except RuntimeError:
+        error(f"--device {value!r} is not a device: use cpu or cuda (or cuda:N)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        error(f"--device {value}: torch {torch.__version__} sees no CUDA device here; use --device cpu")
+    if device.type not in ("cpu", "cuda"):
+        error(f"--device {value}: only cpu and cuda are supported")
+    return device
+
+
+def run(args, error) -> dict:
+    """The benchmark of the parsed ``args`` (main's options) as one JSON-ready dict; ``error(message)``
+    reports a bad option (argparse's ``parser.error``, or one that raises)."""
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:
-        p.error(f"unknown shapes {unknown}; choose from {', '.join(SHAPES)}")
+        error(f"unknown shapes {unknown}; choose from {', '.join(SHAPES)}")
+    try:
+        batches = [int(b) for b in str(args.batch).split(",") if b.strip()]
+    except ValueError:
+        batches = []
+    if not batches or min(batches) < 1:
+        error(f"--batch {args.batch!r}: give positive integers separated by commas, e.g. 1,16")
+    device = parse_device(args.device, error)
+    dtype = DTYPES[args.dtype or ("float32" if device.type == "cpu" else "bfloat16")]
     if args.new_tokens < 2:
-        p.error("--new-tokens must be >= 2 (decode time is measured between the first and last token)")
+        error("--new-tokens must be >= 2 (decode time is measured between the first and last token)")
     if args.hf_new_tokens is not None and args.hf_new_tokens < 2:
-        p.error("--hf-new-tokens must be >= 2")
+        error("--hf-new-tokens must be >= 2")
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -463,8 +635,8 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_logging.set_verbosity_error()
 
-    log(f"read bandwidth: x.sum() over {args.bandwidth_mib} MiB fp32, best of 7")
-    bandwidth = read_bandwidth(args.bandwidth_mib * 2**20)
+    log(f"read bandwidth: x.sum() over {args.bandwidth_mib} MiB fp32 on {device}, best of 7")
+    bandwidth = read_bandwidth(args.bandwidth_mib * 2**20, device=device)
     log(f"  {bandwidth / 1e9:.2f} GB/s")
 
     result: dict = {
@@ -475,6 +647,10 @@ def main(argv: list[str] | None = None) -> int:
             "kvcache": kvcache.__version__,
             "python": platform.python_version(),
             "machine": platform.machine(),
+            "device": str(device),
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+            "dtype": str(dtype).removeprefix("torch."),
+            "batches": batches,
             "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
             "omp_env": {k: v for k, v in os.environ.items() if k.startswith(("OMP_", "KMP_", "GOMP_", "MKL_"))},
@@ -486,34 +662,34 @@ def main(argv: list[str] | None = None) -> int:
                 "prefill = time from the generate call to the first new token (prompt forward + greedy pick); "
                 "decode = first to last new token, i.e. N-1 one-token steps; best of `repeats` after one warm-up"
             ),
-            "bandwidth_method": f"best of 7 x.sum() over {args.bandwidth_mib} MiB fp32",
-            "roofline": "bandwidth / (weight bytes + K/V bytes at mean decode context) per token",
+            "bandwidth_method": f"best of 7 x.sum() over {args.bandwidth_mib} MiB fp32 on {device}",
+            "roofline": "bandwidth / (weight bytes + batch x K/V bytes at mean decode context) per decode step",
         },
         "bandwidth_GBps": bandwidth / 1e9,
         "shapes": {},
     }
 
-    models: dict[str, tuple] = {}
     args.path_of = {}
     with tempfile.TemporaryDirectory(prefix="kvcache-bench-") as tmp:
-        for name in shapes:
-            key = SHAPES[name][0]
-            if key not in models:
-                log(f"building random Llama {key}")
-                models[key] = build_models(key, Path(tmp))
+        # Shapes of one model run together; a model is dropped before the next is built (an 8B model
+        # and a 1B model need not share the GPU).
+        for key in dict.fromkeys(SHAPES[name][0] for name in shapes):
+            log(f"building random Llama {key} ({str(dtype).removeprefix('torch.')} on {device})")
+            hf, kv = build_models(key, Path(tmp), device, dtype)
+            if device.type == "cpu":
                 args.path_of[key] = Path(tmp) / key
-            hf, kv = models[key]
-            result["shapes"][name] = bench_shape(name, hf, kv, bandwidth, args)
+            for name in (s for s in shapes if SHAPES[s][0] == key):
+                for batch in batches:
+                    # Batch 1 keeps the shape's own name, as before batches were measured.
+                    cell = name if batch == 1 else f"{name}/b{batch}"
+                    result["shapes"][cell] = bench_shape(name, hf, kv, bandwidth, args, batch)
+            del hf, kv
+            free_memory(device)
 
     floors = [s["floor_pass"] for s in result["shapes"].values() if s["floor_pass"] is not None]
     result["all_floors_pass"] = all(floors) if floors else None
     result["all_greedy_agree"] = all(s["greedy_tokens_agree"] for s in result["shapes"].values())
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
-    return 0
+    return result
 
 
 if __name__ == "__main__":
