@@ -1,15 +1,17 @@
 """A captured decode step: one token per row through a model and its cache, compiled once.
 
-The eager decode step makes host-side decisions (which path, how many slots are filled) that
-change from step to step. The captured step makes none: it is described by device tensors alone
-(``Step.captured_decode``), every layer cache takes its ``decode_static`` path (fixed shapes: all
-slots attended under a mask from positions, writes by index), and the host bookkeeping (each
-row's length, held slots) runs outside it (``KVCache.advance_decode``). One capture then serves
-every step of every generation with the same cache: ``torch.compile(fullgraph=True)``, and on
-CUDA its CUDA-graph mode ("reduce-overhead").
+The captured step is ``torch.compile`` of the eager decode step itself: every layer cache runs
+its one ``decode`` method (cache/base.py). What differs is only what the step knows. An eager
+step carries host facts (each row's length) that narrow the slots attended; the captured step
+is described by device tensors alone (``Step.captured_decode``), so every layer attends all of
+its slots under a mask from positions and the shapes never change. The host bookkeeping (each
+row's length, held slots) runs outside the graph (``KVCache.advance_decode``), as ``commit``
+runs it after an eager step. One capture then serves every step of every generation with the
+same cache: ``torch.compile(fullgraph=True)``, and on CUDA its CUDA-graph mode
+("reduce-overhead").
 
-Prefill stays eager. Batched eviction (``reserve``) is not captured: its steps alternate between
-appending and evicting, which is a decision the captured step does not make.
+Prefill stays eager. Batched eviction (``reserve``) and whole blocks are not captured: their
+decode steps alternate between appending and evicting, a decision made on the host.
 """
 
 from __future__ import annotations

@@ -96,10 +96,13 @@ class Step:
     span_end:   max over rows of start + n_tokens: the most tokens any row has seen after the chunk.
     min_start:  min over rows of start.
     start0:     start of row 0 (the start of every row when ``uniform``).
-    decode:     one real token in every row (T == 1, no padding): the decode step.
-    static:     a captured decode step (``Step.captured_decode``): described by device tensors
-                alone, so one capture serves every step; ``start``, ``n_tokens`` and the host
-                integers are not set, and layer caches take their ``decode_static`` path.
+    decode:     one real token in every row (T == 1, no padding): the decode step, which every
+                layer cache runs through its one ``decode`` method, eager or compiled.
+                A captured step (``Step.captured_decode``) is described by device tensors alone,
+                so that one capture serves every step: ``start`` and ``n_tokens`` are None, the
+                host integers -1 and the flags False, and ``decode`` then attends every slot
+                under a mask from positions. An eager step's host facts only narrow the slots
+                attended or drop a mask that would hide nothing.
     shared:     values that every layer would compute alike for this call (rotation angles, say),
                 computed by the first layer that needs them; keyed by whoever computes them.
     """
@@ -117,13 +120,18 @@ class Step:
     min_start: int
     start0: int
     decode: bool
-    static: bool = False
     shared: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_tokens(self) -> int:
         """T, the chunk length including padding."""
         return self.positions.shape[1]
+
+    @property
+    def known(self) -> bool:
+        """Whether the host facts (``start``, ``n_tokens``, the integers) are set: false for a
+        captured decode step."""
+        return self.start is not None
 
     @classmethod
     def captured_decode(cls, positions: torch.Tensor) -> Step:
@@ -135,7 +143,7 @@ class Step:
             positions=positions, valid=torch.ones_like(positions, dtype=torch.bool), append_slot=positions,
             last_index=torch.zeros(B, dtype=torch.long, device=positions.device), newest=positions[:, 0],
             start=None, n_tokens=None, fresh=False, uniform=False, span_end=-1, min_start=-1, start0=-1,
-            decode=True, static=True,
+            decode=True,
         )
 
 
@@ -177,14 +185,16 @@ class LayerCache(ABC):
     def check(self, step: Step) -> None:
         """Raise ``CapacityError`` if ``step`` cannot be accepted. Must not change any state."""
 
-    def decode_static(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
-        """``attend`` for a captured decode step (``step.static``): one token per row, fixed shapes,
-        no host reads and no data-dependent branches; ``advance_decode`` then updates the host
-        state. q: (B, Hq, 1, D); k, v: (B, Hkv, 1, D) -> (B, Hq, 1, D)."""
-        raise NotImplementedError(f"the {self.name} policy has no captured decode step")
+    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
+        """``attend`` for a decode step (``step.decode``): one token per row. The one decode path,
+        eager and compiled alike: writes by index, fixed shapes unless the step's host facts
+        narrow them (see ``Step``), no host reads, no data-dependent branches. ``advance_decode``
+        does the host bookkeeping after the step. q: (B, Hq, 1, D); k, v: (B, Hkv, 1, D) ->
+        (B, Hq, 1, D). Default: ``attend`` (a layer with no decode path of its own)."""
+        return self.attend(q, k, v, step)
 
     def advance_decode(self) -> None:
-        """Host-side bookkeeping after a ``decode_static`` step (nothing by default)."""
+        """Host-side bookkeeping after a decode step (nothing by default)."""
 
     @abstractmethod
     def reset(self) -> None:
@@ -346,10 +356,14 @@ class KVCache:
 
     def commit(self, step: Step) -> None:
         """Advance each row by the chunk's real tokens (called after the last layer)."""
-        self.lengths += step.n_tokens
+        if step.decode:
+            self.advance_decode()
+        else:
+            self.lengths += step.n_tokens
 
     def advance_decode(self) -> None:
-        """Advance every row by one token after a captured decode step (compile.py)."""
+        """Advance every row by one token after a decode step, eager (through ``commit``) or
+        captured (compile.py, outside the captured graph)."""
         self.lengths += 1
         for layer in self.layers:
             layer.advance_decode()

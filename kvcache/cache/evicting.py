@@ -13,21 +13,22 @@ same tokens (``per_head = False``) and Hkv when each head keeps its own. Empty c
 
 Occupied slots are always ``[0, held[b])`` for row b (``held`` is kept on the host). Three
 paths, with the same semantics:
+    decode  one token per row and no padding (``decode``, the one decode step of eager and
+            compiled runs): the new token goes to the scratch slot ``cache_length``, attention
+            runs over all ``cache_length + 1`` slots (a fixed shape), and the scratch slot is then
+            moved over the lowest-priority slot (an empty one while the row is not full). No copy
+            of the cache.
     append  every row has room for its chunk: nothing is evicted, the chunk is written after the
             held slots and attended in place, as a dense cache would. A policy whose scores are
             all made by the step that evicts (``observe_every_step = False``) skips the
-            attention weights here, so it costs what dense costs until the cache is full.
-    decode  one token per row and no padding, some row full: the new token goes to the scratch
-            slot ``cache_length``, attention runs over all ``cache_length + 1`` slots (a fixed
-            shape), and the scratch slot is then moved over the lowest-priority slot. No copy of
-            the cache.
+            attention weights here, so a prompt costs what dense costs until the cache is full.
     chunk   anything else: candidates are the kept slots followed by the chunk (N = C + T);
             the top C are gathered back into the buffers.
 
 ``CacheSpec.reserve`` (R) makes eviction batched: a row that overflows keeps C - R tokens, not
 C, and the next R tokens are appended without evicting (kvpress's "compress the context, then
-let the cache grow" when R covers the question and answer). A decode step that overflows then
-takes the chunk path.
+let the cache grow" when R covers the question and answer). Its decode steps, and those of whole
+blocks (blocks.py), take the append and chunk paths, decided on the host.
 """
 
 from __future__ import annotations
@@ -142,14 +143,18 @@ class EvictingCache(LayerCache):
         """Queries as seen by sink keys when positions are renumbered (see the sink policy)."""
         return None
 
+    @property
+    def per_token(self) -> bool:
+        """Whether decode steps take ``decode`` (one token over one victim). Batched eviction
+        (``reserve``) and whole blocks decide on the host, step by step, whether to append or
+        to evict several slots: their decode steps take the append and chunk paths."""
+        return not self.spec.reserve and self.spec.block == 1
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
-        if step.static:
-            return self.decode_static(q, k, v, step)
+        if step.decode and self.per_token:
+            return self.decode(q, k, v, step)
         if bool((self.held + step.n_tokens <= self.spec.cache_length).all()):
             return self._append(q, k, v, step)
-        # The decode path moves one token over one victim; whole blocks are evicted by the chunk path.
-        if step.decode and not self.spec.reserve and self.spec.block == 1:
-            return self._decode(q, k, v, step)
         return self._chunk(q, k, v, step)
 
     def _append(self, q, k, v, step: Step) -> torch.Tensor:
@@ -198,22 +203,17 @@ class EvictingCache(LayerCache):
             None if mass is None else mass.detach(), seen,
         ))
 
-    def decode_static(self, q, k, v, step: Step) -> torch.Tensor:
-        # The decode path serves a cache that is not full too: the lowest-priority slot is then
-        # an empty one, the first (as appending would choose), so one path covers every step.
-        return self._decode(q, k, v, step)
-
-    def advance_decode(self) -> None:
-        self.held = (self.held + 1).clamp(max=self.spec.cache_length)
-
-    def _decode(self, q, k, v, step: Step) -> torch.Tensor:
+    def decode(self, q, k, v, step: Step) -> torch.Tensor:
+        # The new token goes to the scratch slot, every slot is attended (a fixed shape), and the
+        # lowest-priority slot takes the token. A row that is not full evicts an empty slot, the
+        # first (as appending would choose), so this one path serves every step.
         C = self.spec.cache_length
         store = self.storage
         store.write_slice(C, k, v, step.positions)
         self._stats[..., C] = 0.0
         ks, vs, pos = store.view(C + 1)
         # Once every row has seen C tokens no slot is empty (a captured step does not know).
-        full = not step.static and step.min_start >= C
+        full = step.min_start >= C
         if self.window() is None and self.spec.window is None:
             # Only empty slots are hidden.
             visible = None if full else pos >= 0
@@ -230,12 +230,14 @@ class EvictingCache(LayerCache):
         lowest = prio == prio.amin(-1, keepdim=True)
         victim = torch.where(lowest, pos, torch.iinfo(torch.long).max).argmin(-1, keepdim=True)  # (B, Hp, 1)
         store.settle(victim, k, v, step.positions)
-        if not step.static:
-            self.advance_decode()
         if self.stats:
             n, B, Hp, _ = self._stats.shape
             self._stats.scatter_(3, victim.expand(n, B, Hp, 1), self._stats[..., C : C + 1].clone())
         return out
+
+    def advance_decode(self) -> None:
+        if self.per_token:
+            self.held = (self.held + 1).clamp(max=self.spec.cache_length)
 
     def _chunk(self, q, k, v, step: Step) -> torch.Tensor:
         C = self.spec.cache_length

@@ -1,7 +1,7 @@
 """Caches whose kept set depends on positions alone (window, sink) keep tokens in a ring.
 
-The token at position p always lives in slot ``slot(p)``, so the decode step is an append at a
-slot known on the host, exactly like dense: no scoring, no search for a victim, no move. A
+The token at position p always lives in slot ``slot(p)``, so the decode step is a write at a
+slot computed from positions, exactly like dense: no scoring, no search for a victim, no move. A
 multi-token chunk still attends over the kept slots plus the chunk (earlier queries of the chunk
 may need keys a later token of the chunk will overwrite); afterwards only the chunk tokens that
 survive are written, each to its slot.
@@ -34,10 +34,8 @@ class RingCache(EvictingCache):
             # Whole blocks: the ranked paths of every evicting cache (blocks.py), by ``priority``.
             return super().attend(q, k, v, step)
         # A ring appends at the slot its position names: no held-slot bookkeeping, no search.
-        if step.static:
-            return self.decode_static(q, k, v, step)
         if step.decode:
-            return self._decode(q, k, v, step)
+            return self.decode(q, k, v, step)
         return self._chunk(q, k, v, step)
 
     def slot(self, positions: torch.Tensor) -> torch.Tensor:
@@ -67,37 +65,24 @@ class RingCache(EvictingCache):
         self.storage.write(slots, new_k, new_v, step.positions)
         self.storage.pos[:, :, C] = -1
 
-    def _decode(self, q, k, v, step: Step) -> torch.Tensor:
-        C = self.spec.cache_length
-        store = self.storage
-        if step.uniform:
-            # Every row is at the same position, known on the host: a plain slice write, no index math on tensors.
-            p, S = step.start0, self.sinks()
-            store.write_slice(p if p < S else S + (p - S) % (C - S), k, v, step.positions)
+    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
+        # The token goes to its position's slot, and the slots are attended with the policy's
+        # visibility (empty ones hidden): all C of them in a captured step, those filled in an
+        # eager one, and without a mask once every row is full (every slot then holds one of its
+        # row's newest positions) unless the model's own window cuts some. Renumbered sinks are
+        # scored by the query rotated back (``_sink_queries``), so no slot is modified to score.
+        C, S = self.spec.cache_length, self.sinks()
+        key = ("ring_slots", C, S)  # alike in every layer of this geometry: computed once per step
+        if key not in step.shared:
+            step.shared[key] = self.slot(step.positions)
+        self.storage.write(step.shared[key], k, v, step.positions)
+        ks, vs, pos = self.storage.view(min(C, step.span_end) if step.known else C)
+        if step.min_start + 1 >= C and self.spec.window is None:
+            visible = None
         else:
-            store.write(self.slot(step.start).to(k.device)[:, None], k, v, step.positions)
-        span = min(C, step.span_end)
-        ks, vs, pos = store.view(span)
-        if step.min_start + 1 >= C and self.spec.window is None and not store.packed:
-            # Every slot holds one of each row's newest positions: the dense decode call applies,
-            # once the keys are as the policy wants them scored. (Packed keys are not rewritten:
-            # the decode call below scores renumbered sinks with the rotated query instead.)
-            self._prepare_full(ks, step)
-            return attention.masked(q, ks, vs, step.positions, pos, all_visible=True)
-        visible = attention.visibility(step.positions, pos, self.window(), self.sinks(), self.spec.window)[:, :, 0]
-        q_sink = self._sink_queries(q, step)
-        out, _ = attention.decode(q, ks, vs, visible, q_sink=q_sink, sink_slots=self.sinks())
+            visible = attention.visibility(step.positions, pos, self.window(), S, self.spec.window)[:, :, 0]
+        out, _ = attention.decode(q, ks, vs, visible, q_sink=self._sink_queries(q, step), sink_slots=S)
         return out
 
-    def decode_static(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
-        # The token goes to its position's slot; every slot is attended with the policy's
-        # visibility mask (empty slots hidden), and renumbered sinks are scored by the rotated
-        # query (a bias on their columns), so no slot is modified for scoring.
-        self.storage.write(self.slot(step.positions), k, v, step.positions)
-        ks, vs, pos = self.storage.view(self.spec.cache_length)
-        visible = attention.visibility(step.positions, pos, self.window(), self.sinks(), self.spec.window)[:, :, 0]
-        out, _ = attention.decode(q, ks, vs, visible, q_sink=self._sink_queries(q, step), sink_slots=self.sinks())
-        return out
-
-    def _prepare_full(self, ks: torch.Tensor, step: Step) -> None:
-        """Adjust the attended keys ``ks`` (B, Hkv, C, D) of a decode step over full rows (in place)."""
+    def advance_decode(self) -> None:
+        """Nothing: a ring's slots are a function of positions; it counts no held slots."""

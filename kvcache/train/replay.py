@@ -143,6 +143,10 @@ class Recorder(LayerCache):
         self.store.write(step.start0, *stored_form(self.inner, k, v))
         return self.inner.attend(q, k, v, step)
 
+    def advance_decode(self) -> None:
+        # A one-token chunk is a decode step, whose host bookkeeping follows the step.
+        self.inner.advance_decode()
+
     def reset(self) -> None:
         self.inner.reset()
 

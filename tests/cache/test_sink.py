@@ -91,8 +91,8 @@ def test_renumbered_equals_forward_of_kept_tokens(one_layer):
 
 @pytest.mark.parametrize("storage", ["full", "int8"])
 def test_renumbered_decode_then_chunk_then_decode(one_layer, storage):
-    """Decode steps over full rows score rotated copies of the sinks; a chunk after them, and the
-    decode steps after that, still see the sinks as stored (exact forward of the kept tokens at
+    """Decode steps over full rows, a chunk after them, and the decode steps after that score
+    the sinks as stored (exact forward of the kept tokens at
     full precision; for int8, the same logits as feeding every token one at a time)."""
     schedule = [PREFILL] + [1] * 12 + [5] + [1] * 6 + [3, 1, 1]
     ids = ids_for(sum(schedule), seed=5, vocab=one_layer.config.vocab_size)
@@ -114,6 +114,22 @@ def test_renumbered_decode_then_chunk_then_decode(one_layer, storage):
                 assert max_diff(got[p], want) <= ATOL, f"query {p}"
         else:
             assert max_diff(got, run([1] * len(got))) <= 1e-5
+
+
+def test_decode_steps_score_renumbered_sinks_without_touching_their_slots(one_layer):
+    """Renumbered sinks are scored with a rotated query: after decode steps over full rows the
+    sink slots hold, bit for bit, the keys the prompt stored, and taking the state changes nothing."""
+    ids = ids_for(PREFILL + 8, seed=7, vocab=one_layer.config.vocab_size)
+    cache = kvcache.make_cache(one_layer, "sink", cache_length=C, sinks=SINKS)
+    with torch.inference_mode():
+        one_layer(ids[:, :PREFILL], cache)
+        stored = cache.layers[0].storage.k[:, :, :SINKS].clone()
+        for p in range(PREFILL, PREFILL + 8):
+            one_layer(ids[:, p : p + 1], cache)
+            assert torch.equal(cache.layers[0].storage.k[:, :, :SINKS], stored), f"step at {p}"
+        before = {name: t.clone() for name, t in cache.layers[0].state().items()}
+        after = cache.layers[0].state()
+        assert all(torch.equal(after[name], t) for name, t in before.items())
 
 
 def test_absolute_is_not_the_forward_of_kept_tokens(one_layer):

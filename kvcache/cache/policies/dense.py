@@ -27,8 +27,8 @@ class DenseCache(LayerCache):
             raise capacity_error(step, self.spec.cache_length, self.name)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
-        if step.static:
-            return self.decode_static(q, k, v, step)
+        if step.decode:
+            return self.decode(q, k, v, step)
         T = step.num_tokens
         store = self.storage
         # Where a token's bits do not depend on where or when it is stored (``exact_roundtrip``),
@@ -59,12 +59,19 @@ class DenseCache(LayerCache):
         all_visible = step.uniform and T == 1 and (self.spec.window is None or span <= self.spec.window)
         return attention.masked(q, ks, vs, step.positions, pos, window=self.spec.window, all_visible=all_visible)
 
-    def decode_static(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
-        # Position p lives in slot p; every slot is attended, the empty and future ones masked,
-        # so the shapes never change. (The caller has checked that every position fits.)
+    def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
+        # Position p lives in slot p. A captured step attends every slot, the empty and future
+        # ones masked, so its shapes never change (the caller has checked that every position
+        # fits); an eager step attends the slots any row has filled, and rows filled alike
+        # (within the model's window) need no mask.
+        C = self.spec.cache_length
         self.storage.write(step.positions, k, v, step.positions)
-        ks, vs, pos = self.storage.view(self.spec.cache_length)
-        visible = attention.visibility(step.positions, pos, None, 0, self.spec.window)[:, :, 0]  # (B, 1, C)
+        span = step.span_end if step.known else C
+        ks, vs, pos = self.storage.view(span)
+        if step.uniform and (self.spec.window is None or span <= self.spec.window):
+            visible = None
+        else:
+            visible = attention.visibility(step.positions, pos, None, 0, self.spec.window)[:, :, 0]  # (B, 1, S)
         return attention.decode(q, ks, vs, visible)[0]
 
     # ----- slots as prefixes (the prefix store): slot p holds position p ---------------------
