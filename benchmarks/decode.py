@@ -566,7 +566,7 @@ def bench_shape(name: str, hf, kv, bandwidth: float, args, batch: int = 1) -> di
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
                    help=f"comma-separated subset of {', '.join(SHAPES)} (default: {','.join(DEFAULT_SHAPES)})")
@@ -585,6 +585,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--compiled", action="store_true",
                    help="also time kvcache with compile=True and transformers' static cache with a compiled forward")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     result = run(args, p.error)
     text = json.dumps(result, indent=2)
