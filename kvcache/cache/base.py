@@ -23,6 +23,7 @@ import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,6 +31,9 @@ from ..errors import CapacityError
 from . import snapshot as snapshots
 from .options import NoOptions
 from .snapshot import Snapshot, check_tensors, storage_buffers
+
+if TYPE_CHECKING:  # storage.py builds on this module
+    from .storage import Storage
 
 
 
@@ -152,11 +156,19 @@ class LayerCache(ABC):
 
     A policy is a subclass with a ``name``, a one-line ``description`` and, if it has options, a
     frozen dataclass ``Options`` (see options.py); the registry finds it in policies/.
+
+    What other modules use of a layer cache is declared here: ``attend``, ``decode`` and
+    ``advance_decode`` (the model), ``check``, ``reset``, ``nbytes``, the state methods
+    (snapshot.py), the prefix-slot methods (the prefix store), ``sink_queries`` (training's
+    replay) and ``storage`` (training's recorder, the benchmarks).
     """
 
     name: str
     description: str
     Options: type = NoOptions
+    # The slot buffers (storage.py) of a layer that keeps its tokens in one; a head-wise layer
+    # keeps them in its heads (``HeadwiseCache.heads``).
+    storage: Storage
     # Whether the cache may drop tokens. One that does not (dense) rejects a chunk that does not fit.
     evicts: bool = True
     # Whether ``CacheSpec.reserve`` (batched eviction) applies.
@@ -195,6 +207,11 @@ class LayerCache(ABC):
 
     def advance_decode(self) -> None:
         """Host-side bookkeeping after a decode step (nothing by default)."""
+
+    def sink_queries(self, q: torch.Tensor, step: Step) -> torch.Tensor | None:
+        """The queries q (B, Hq, T, D) as the first ``sinks`` slots score them when positions are
+        renumbered (the sink policy), or None when they score them as q does (every other)."""
+        return None
 
     @abstractmethod
     def reset(self) -> None:
@@ -239,6 +256,22 @@ class LayerCache(ABC):
     def empty_like(self, batch_size: int) -> LayerCache:
         """A new, empty layer cache of the same configuration, for ``batch_size`` rows."""
         return type(self)(dataclasses.replace(self.spec, batch_size=batch_size), self.options)
+
+    # ----- slots as prefixes (the prefix store): only a layer whose slot p holds position p ----
+    def shares_prefixes(self) -> bool:
+        """Whether a row's first n slots are the cache of its first n tokens whatever came after,
+        so that the prefix store can cut any prefix out of a stored row (dense). Default: no."""
+        return False
+
+    def read_slots(self, row: int, start: int, stop: int) -> dict[str, torch.Tensor]:
+        """Copies of row ``row``'s slots [start, stop), by state name (a layer that
+        ``shares_prefixes``)."""
+        raise NotImplementedError(f"the {self.name} layer does not share prefixes")
+
+    def write_slots(self, row: int, parts: dict[str, torch.Tensor]) -> None:
+        """Make row ``row`` hold the slots ``parts`` (as ``read_slots`` gives them) and nothing
+        after them (a layer that ``shares_prefixes``)."""
+        raise NotImplementedError(f"the {self.name} layer does not share prefixes")
 
 
 class KVCache:

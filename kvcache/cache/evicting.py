@@ -139,10 +139,6 @@ class EvictingCache(LayerCache):
             return attention.causal(q, k, v, q_sink=q_sink, **rule)
         return attention.masked(q, k, v, q_pos, k_pos, **rule)
 
-    def _sink_queries(self, q: torch.Tensor, step: Step) -> torch.Tensor | None:
-        """Queries as seen by sink keys when positions are renumbered (see the sink policy)."""
-        return None
-
     @property
     def per_token(self) -> bool:
         """Whether decode steps take ``decode`` (one token over one victim). Batched eviction
@@ -263,7 +259,7 @@ class EvictingCache(LayerCache):
         # slots' codes as they are and stores the chunk's as ``roundtrip`` computed them.
         att_k, att_v = (cand_k.decoded(), cand_v.decoded()) if stored and store.packed else (cand_k, cand_v)
         out, mass, seen = self._attend(q, att_k, att_v, step.positions, cand_pos, step,
-                                       self._sink_queries(q, step))
+                                       self.sink_queries(q, step))
         c = Candidates(cand_k, cand_v, cand_pos, stat, q, step)
         self._observe(c, mass, seen)
         self._keep(c, stored)

@@ -90,7 +90,7 @@ def storages() -> dict[str, str]:
 def option_info(policy: str) -> list[OptionInfo]:
     """Options of ``policy`` (a name like ``h2o`` or ``h2o:int4``): name, type, default, help
     and, for a string option, its valid values."""
-    return describe(_options_cls(_lookup(parse_name(policy)[0])))
+    return describe(_lookup(parse_name(policy)[0]).Options)
 
 
 def policy_options(policy: str) -> dict[str, object]:
@@ -118,10 +118,6 @@ def parse_name(name: str) -> tuple[str, str]:
     except ValueError as e:
         raise ValueError(f"{e} (in {name!r}: name a cache policy[:storage], e.g. 'h2o:int4')") from None
     return policy, storage
-
-
-def _options_cls(cls: type[LayerCache]) -> type:
-    return cls.Options
 
 
 def resolve_budget(cache_length: int | float, prompt_length: int | None) -> int:
@@ -175,7 +171,7 @@ def make_cache(
     """
     policy_name, storage = parse_name(policy)
     cls = _lookup(policy_name)
-    options_cls = _options_cls(cls)
+    options_cls = cls.Options
     build(policy_name, options_cls, options)  # names, types and choices, before anything else
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
@@ -260,7 +256,7 @@ def _check_reserve(cls: type[LayerCache], reserve: object, smallest: int) -> Non
 def _layer(cls: type[LayerCache], spec: CacheSpec, given: dict[str, object], heads: list[int] | None) -> LayerCache:
     """One layer cache. Options the user left out take their defaults unless those do not fit
     this layer's budget; then they take the policy's values for that budget."""
-    options_cls = _options_cls(cls)
+    options_cls = cls.Options
 
     def make(options) -> LayerCache:
         return cls(spec, options) if heads is None else HeadwiseCache(spec, cls, options, heads)

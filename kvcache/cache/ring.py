@@ -70,7 +70,7 @@ class RingCache(EvictingCache):
         # visibility (empty ones hidden): all C of them in a captured step, those filled in an
         # eager one, and without a mask once every row is full (every slot then holds one of its
         # row's newest positions) unless the model's own window cuts some. Renumbered sinks are
-        # scored by the query rotated back (``_sink_queries``), so no slot is modified to score.
+        # scored by the query rotated back (``sink_queries``), so no slot is modified to score.
         C, S = self.spec.cache_length, self.sinks()
         key = ("ring_slots", C, S)  # alike in every layer of this geometry: computed once per step
         if key not in step.shared:
@@ -81,7 +81,7 @@ class RingCache(EvictingCache):
             visible = None
         else:
             visible = attention.visibility(step.positions, pos, self.window(), S, self.spec.window)[:, :, 0]
-        out, _ = attention.decode(q, ks, vs, visible, q_sink=self._sink_queries(q, step), sink_slots=S)
+        out, _ = attention.decode(q, ks, vs, visible, q_sink=self.sink_queries(q, step), sink_slots=S)
         return out
 
     def advance_decode(self) -> None:

@@ -7,7 +7,6 @@ import torch
 
 # The projections of every attention block and MLP (module names as in Hugging Face's Llama).
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def _peft():

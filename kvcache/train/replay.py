@@ -204,7 +204,7 @@ def _attend(layer: LayerCache, q, k, v, kept_k, kept_v, kept_pos, step: Step) ->
     D) at kept_pos (B, Hp, S) (None for the first chunk) and its own k, v (B, Hkv, n, D), under
     ``layer``'s visibility rules -> (B, Hq, n, D)."""
     rule = rules(layer)
-    q_sink = layer._sink_queries(q, step) if isinstance(layer, EvictingCache) else None
+    q_sink = layer.sink_queries(q, step)
     if kept_pos is None:
         return attention.causal(q, k, v, q_sink=q_sink, **rule)
     Hp = kept_pos.shape[1]

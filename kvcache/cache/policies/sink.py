@@ -11,7 +11,7 @@ positions. Once a row has seen more than ``cache_length`` tokens, a query at p i
 p - shift with shift = p - (cache_length - 1), and so are the recent keys (p' - shift); their
 relative distance, which is all RoPE scores depend on, is unchanged, so they are scored as
 stored. Only the distance to a sink changes (from p - s to p - shift - s): the sinks' scores are
-taken with the query rotated back by shift (``_sink_queries``), the one mechanism of every path
+taken with the query rotated back by shift (``sink_queries``), the one mechanism of every path
 (prefill, decode, compiled, packed codes, training). (Exact up to the float32 rounding of RoPE
 angles, which every implementation shares: at position 1e5 the logits of a renumbered step
 differ from re-embedding the kept tokens from scratch by about 1e-3.)
@@ -80,7 +80,7 @@ class SinkCache(RingCache):
         kp = k_pos.unsqueeze(2)
         return q_pos - self.shift(q_pos), torch.where(kp < self.options.sinks, kp, kp - shift)
 
-    def _sink_queries(self, q: torch.Tensor, step: Step) -> torch.Tensor | None:
+    def sink_queries(self, q: torch.Tensor, step: Step) -> torch.Tensor | None:
         if self.options.positions == "absolute" or self.options.sinks == 0:
             return None
         if step.known and step.span_end <= self.spec.cache_length:
