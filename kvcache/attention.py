@@ -83,13 +83,8 @@ def causal(
         if q_sink is None:
             out[:, :, start:stop] = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=vis, enable_gqa=gqa)
             continue
-        # Renumbered sinks: the sink columns get (q_sink - q) . k_s added to their scores, which
-        # turns q . k_s into q_sink . k_s; one float mask per query head carries it.
         ns = S + max(0, min(sinks, stop) - low)  # keys below ``sinks``, a prefix of ``keys``
-        delta = (q_sink[:, :, start:stop] - qb).reshape(B, Hkv, -1, D) @ kb[:, :, :ns].transpose(-1, -2)
-        bias = qb.new_zeros(B, Hq, n, kb.shape[2])
-        bias[..., :ns] = delta.view(B, Hq, n, ns) * D**-0.5
-        bias.masked_fill_(~vis, float("-inf"))
+        bias = sink_bias(qb, q_sink[:, :, start:stop], kb, slice(0, ns)).masked_fill_(~vis, float("-inf"))
         out[:, :, start:stop] = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=bias, enable_gqa=gqa)
     return out
 
@@ -248,17 +243,27 @@ def decode(
     return out.view(B, Hq, 1, D), weights.sum(2)
 
 
+def sink_bias(q: torch.Tensor, q_sink: torch.Tensor, k: torch.Tensor, cols: slice | torch.Tensor) -> torch.Tensor:
+    """The float mask through which one fused call scores renumbered sinks with ``q_sink``: zero,
+    plus ``(q_sink - q) . k_s / sqrt(D)`` on the sink columns ``cols``, which turns q's score of a
+    sink into q_sink's. Only those few columns are computed apart; the caller adds -inf where a
+    key is not visible. q, q_sink: (B, Hq, n, D); k: (B, Hkv, S, D); cols: a slice or (ns,) long
+    index of the sink slots -> (B, Hq, n, S) in q's dtype."""
+    B, Hq, n, D = q.shape
+    Hkv = k.shape[1]
+    delta = (q_sink - q).reshape(B, Hkv, -1, D) @ k[:, :, cols].transpose(-1, -2)  # (B, Hkv, G*n, ns)
+    bias = q.new_zeros(B, Hq, n, k.shape[2])
+    bias[..., cols] = delta.view(B, Hq, n, -1) * D**-0.5
+    return bias
+
+
 def _decode_fused(qh, k, v, visible, q_sink, sink_slots) -> torch.Tensor:
     """``decode`` without weights, as one fused call. qh: (B, Hkv, G, D) -> (B, Hkv, G, D).
-
-    Renumbered sinks become an additive bias on their scores: (q_sink - q) . k_s, which turns
-    q . k_s into q_sink . k_s, so only the sinks' few columns are computed apart.
-    """
+    Renumbered sinks take ``sink_bias``."""
     B, Hkv, G, D = qh.shape
     mask = None if visible is None else visible.unsqueeze(2)  # (B, Hp, 1, S)
     if q_sink is not None and sink_slots:
-        bias = qh.new_zeros(B, Hkv, G, k.shape[2])
-        delta = q_sink.reshape(B, Hkv, G, D) - qh
-        bias[..., :sink_slots] = (delta @ k[:, :, :sink_slots].transpose(-1, -2)) * D**-0.5
+        # The G query heads of a group as G queries of one head: the layout sink_bias takes.
+        bias = sink_bias(qh.reshape(B, Hkv * G, 1, D), q_sink, k, slice(0, sink_slots)).view(B, Hkv, G, -1)
         mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
     return F.scaled_dot_product_attention(qh, k, v, attn_mask=mask)

@@ -27,19 +27,14 @@ from ..cache.headwise import HeadwiseCache
 
 def sink_biased(q, q_sink, k, v, q_pos, k_pos, rule: dict) -> torch.Tensor:
     """Attention in which the keys at positions below ``rule["sinks"]`` are scored with ``q_sink``
-    (renumbered sinks), as one fused call: their columns get ``(q_sink - q) . k / sqrt(D)`` added
-    as a float mask, the trick ``attention.causal`` uses, so only those few columns are computed
-    twice. q, q_sink: (B, Hq, n, D); k, v: (B, Hkv, N, D); q_pos: (B, n); k_pos: (B, 1, N), the
+    (renumbered sinks), as one fused call through ``attention.sink_bias``, as every fused path
+    scores them. q, q_sink: (B, Hq, n, D); k, v: (B, Hkv, N, D); q_pos: (B, n); k_pos: (B, 1, N), the
     same sink columns in every row (a uniform batch of a position-keyed ring) -> (B, Hq, n, D)."""
-    B, Hq, n, D = q.shape
-    Hkv = k.shape[1]
     cols = ((k_pos[0, 0] >= 0) & (k_pos[0, 0] < rule["sinks"])).nonzero().squeeze(1)
-    delta = (q_sink - q).reshape(B, Hkv, -1, D) @ k[:, :, cols].transpose(-1, -2)  # (B, Hkv, G*n, ns)
-    bias = q.new_zeros(B, Hq, n, k.shape[2])
-    bias[..., cols] = delta.view(B, Hq, n, -1) * D**-0.5
+    bias = attention.sink_bias(q, q_sink, k, cols)
     visible = attention.visibility(q_pos, k_pos, rule["window"], rule["sinks"], rule["limit"])  # (B, 1, n, N)
     bias = bias.masked_fill(~visible, float("-inf"))
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=Hq != Hkv)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=q.shape[1] != k.shape[1])
 
 
 class KeyValueStore:
