@@ -15,22 +15,20 @@ from pathlib import Path
 import torch
 
 import kvcache
+from conftest import CACHE_ATOL, DEVICE
 from kvcache import attention
 from kvcache.cache.evicting import EvictingCache
 from kvcache.cache.ring import RingCache
 
 # Largest max-abs logit difference accepted where a policy claims to be exact, per dtype (only the
-# shapes of the matmuls differ from the reference); the same values as conftest's CACHE_ATOL.
-EXACT_ATOL = {
-    torch.float32: 1e-5,
-    torch.bfloat16: 1.5e-1,
-    torch.float16: 2e-2,
-}
+# shapes of the matmuls differ from the reference): conftest's "cache" tolerances.
+EXACT_ATOL = CACHE_ATOL
 
 
 def build_tiny(path: Path, *, layers: int, hidden: int = 32, heads: int = 4, kv_heads: int = 2,
                vocab: int = 64, seed: int = 0, max_positions: int = 4096) -> kvcache.Transformer:
-    """A tiny random Llama saved with ``save_pretrained`` into ``path`` and loaded by kvcache (fp32)."""
+    """A tiny random Llama saved with ``save_pretrained`` into ``path`` and loaded by kvcache (fp32) on
+    the test device."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(seed)
@@ -53,12 +51,13 @@ def build_tiny(path: Path, *, layers: int, hidden: int = 32, heads: int = 4, kv_
                 scale = 2.0 if name.endswith(("q_proj.weight", "k_proj.weight")) else 1.0
                 p.copy_(scale * torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
     hf.save_pretrained(path)
-    return kvcache.load(path)
+    return kvcache.load(path, dtype=torch.float32, device=DEVICE)
 
 
 def ids_for(n: int, batch: int = 1, seed: int = 0, vocab: int = 64) -> torch.Tensor:
+    """(batch, n) random ids on the test device (drawn on the CPU: the same ids on every device)."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (batch, n), generator=g)
+    return torch.randint(3, vocab, (batch, n), generator=g).to(DEVICE)
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -81,7 +80,7 @@ def feed(model, cache, rows, schedule, *, pad_seed=0, after_call=None):
     got = [[] for _ in range(B)]
     for n in schedule:
         T = max(max(n), 1)
-        chunk = torch.randint(0, vocab, (B, T), generator=g)
+        chunk = torch.randint(0, vocab, (B, T), generator=g).to(model.embed_tokens.weight.device)
         for b in range(B):
             chunk[b, : n[b]] = rows[b][done[b] : done[b] + n[b]]
         logits = model(chunk, cache, n_tokens=n)
@@ -275,7 +274,7 @@ class LayerHarness:
         from kvcache.cache import CacheSpec, KVCache
 
         spec = CacheSpec(batch_size=1, num_kv_heads=Hkv, head_dim=D, cache_length=cache_length,
-                         dtype=torch.float32, device=torch.device("cpu"))
+                         dtype=torch.float32, device=DEVICE)
         self.layer = cls(spec, options)
         self.cache = KVCache([self.layer], spec, cls.name)
         self.Hkv, self.G, self.D, self.scale = Hkv, G, D, scale
@@ -286,14 +285,14 @@ class LayerHarness:
     def chunk(self, T: int):
         """Feed T new tokens; returns (positions, q (Hq, T, D), out (Hq, T, D)) of row 0."""
         Hq, D = self.Hkv * self.G, self.D
-        q = self.scale * torch.randn(1, Hq, T, D, generator=self.gen)
-        k = self.scale * torch.randn(1, self.Hkv, T, D, generator=self.gen)
-        v = torch.randn(1, self.Hkv, T, D, generator=self.gen)
+        q = self.scale * torch.randn(1, Hq, T, D, generator=self.gen).to(DEVICE)
+        k = self.scale * torch.randn(1, self.Hkv, T, D, generator=self.gen).to(DEVICE)
+        v = torch.randn(1, self.Hkv, T, D, generator=self.gen).to(DEVICE)
         positions = list(range(self.length, self.length + T))
         for h in range(self.Hkv):
             for t, p in enumerate(positions):
                 self.tokens[h][p] = (k[0, h, t], v[0, h, t])
-        step = self.cache.begin(torch.zeros(1, T, dtype=torch.long), None)
+        step = self.cache.begin(torch.zeros(1, T, dtype=torch.long, device=DEVICE), None)
         with torch.inference_mode():
             out = self.layer.attend(q, k, v, step)
         self.cache.commit(step)

@@ -20,8 +20,9 @@ from kvcache.cache.storages.full import FullStorage
 from kvcache.cli import main
 from kvcache.kernels import CHANNEL, RESIDUAL, TOKEN, PackedKeys, PackedValues
 from policy_util import check_storage, feed, feed_alone, ids_for, max_diff
+from conftest import DEVICE
 
-CPU = torch.device("cpu")
+CPU = DEVICE  # the test device (the name predates it)
 ALL = list(STORAGES)
 QUANTIZED = [s for s in ALL if s != "full"]
 EXACT = [s for s in QUANTIZED if parse_storage(s).layout == "token"]
@@ -57,7 +58,7 @@ def test_storage_contract(name, seed):
     nbytes counts every buffer; reset empties every slot."""
     B, H, D, C = 2, 2, 16, 12
     gen = torch.Generator().manual_seed(seed)
-    rand = lambda *shape: 1.5 * torch.randn(*shape, generator=gen) + torch.randn(*shape[:-1], 1, generator=gen)
+    rand = lambda *shape: (1.5 * torch.randn(*shape, generator=gen) + torch.randn(*shape[:-1], 1, generator=gen)).to(DEVICE)
     store = make_storage(spec(D=D, H=H, C=C, B=B, storage=name), per_head=True)
     assert store.k.shape[2] == C + 1 and store.pos.shape == (B, H, C + 1)
     assert store.nbytes() == sum(t.numel() * t.element_size() for t in tensors(store).values())
@@ -72,16 +73,16 @@ def test_storage_contract(name, seed):
 
     # Writes in slot order: one chunk, then one token at a time.
     k1, v1 = rand(B, H, 7, D), rand(B, H, 7, D)
-    store.write_slice(0, k1, v1, torch.arange(7).expand(B, 7))
+    store.write_slice(0, k1, v1, torch.arange(7, device=DEVICE).expand(B, 7))
     for t in range(7, 10):
-        store.write_slice(t, rand(B, H, 1, D), rand(B, H, 1, D), torch.full((B, 1), t))
+        store.write_slice(t, rand(B, H, 1, D), rand(B, H, 1, D), torch.full((B, 1), t, device=DEVICE))
     assert store.pos[:, :, :10].tolist() == [[list(range(10))] * H] * B
 
     # roundtrip: storing a round-tripped value gives the codes the original gave.
     if store.exact_roundtrip:
         twin = make_storage(spec(D=D, H=H, C=C, B=B, storage=name), per_head=True)
         rk, rv = store.roundtrip(k1, v1)
-        twin.write_slice(0, rk, rv, torch.arange(7).expand(B, 7))
+        twin.write_slice(0, rk, rv, torch.arange(7, device=DEVICE).expand(B, 7))
         for a, b in zip(tensors(store).values(), tensors(twin).values()):
             assert torch.equal(a[:, :, :7], b[:, :, :7]) if a.dim() > 2 else True
         got_k, got_v, _ = decoded(twin, 7)
@@ -91,11 +92,11 @@ def test_storage_contract(name, seed):
     before_k, before_v, _ = decoded(store, 10)
     residual = store.k_mode == RESIDUAL if isinstance(store, KiviStorage) else torch.zeros_like(store.pos, dtype=torch.bool)
     sk, sv = rand(B, H, 1, D), rand(B, H, 1, D)
-    store.write_slice(C, sk, sv, torch.full((B, 1), 10))
+    store.write_slice(C, sk, sv, torch.full((B, 1), 10, device=DEVICE))
     staged_k, staged_v, _ = decoded(store, C + 1)
     staged = {n: t[:, :, C].clone() for n, t in tensors(store).items() if t.dim() > 2 and t.shape[2] == C + 1}
-    dst = torch.randint(0, 10, (B, H, 1), generator=gen)
-    store.settle(dst, sk, sv, torch.full((B, 1), 10))
+    dst = torch.randint(0, 10, (B, H, 1), generator=gen).to(DEVICE)
+    store.settle(dst, sk, sv, torch.full((B, 1), 10, device=DEVICE))
     after_k, after_v, pos = decoded(store, 10)
     for b in range(B):
         for h in range(H):
@@ -124,8 +125,8 @@ def test_storage_contract(name, seed):
     rk, rv = store.roundtrip(new_k, new_v)
     ks, vs, _ = store.view(C)
     cand_k, cand_v = torch.cat((ks, rk), dim=2), torch.cat((vs, rv), dim=2)
-    cand_pos = torch.cat((before_pos, torch.arange(11, 15).expand(B, H, 4)), dim=2)
-    index = torch.stack([torch.randperm(C + 4, generator=gen)[:C] for _ in range(B * H)]).view(B, H, C)
+    cand_pos = torch.cat((before_pos, torch.arange(11, 15, device=DEVICE).expand(B, H, 4)), dim=2)
+    index = torch.stack([torch.randperm(C + 4, generator=gen).to(DEVICE)[:C] for _ in range(B * H)]).view(B, H, C)
     store.keep(cand_k, cand_v, cand_pos, index, stored=C)
     after_k, after_v, pos = decoded(store, C)
     assert torch.equal(pos, cand_pos.gather(2, index))
@@ -212,7 +213,7 @@ def test_cache_bytes_per_policy(llama, storage):
     for policy, options, n_stats in (("dense", {}, 0), ("h2o", dict(recent=4), 1)):
         cache = kvcache.make_cache(llama, f"{policy}:{storage}", cache_length=512, **options)
         full = kvcache.make_cache(llama, policy, cache_length=512, **options)
-        stats = sum(layer._stats.numel() * 4 for layer in cache.layers) if n_stats else 0
+        stats = sum(layer._stat_buffer.numel() * 4 for layer in cache.layers) if n_stats else 0
         assert cache.nbytes() == sum(layer.storage.nbytes() for layer in cache.layers) + stats
         assert cache.nbytes() < full.nbytes()
 
@@ -227,7 +228,7 @@ def test_per_token_error_is_within_half_a_step(bits, dtype, group):
     D = 32
     g = torch.Generator().manual_seed(bits)
     # Per-token offsets and a large channel, as keys have: each group gets its own range.
-    x = (torch.randn(2, 2, 50, D, generator=g) + 3 * torch.randn(2, 2, 50, 1, generator=g)).to(dtype)
+    x = (torch.randn(2, 2, 50, D, generator=g) + 3 * torch.randn(2, 2, 50, 1, generator=g)).to(DEVICE, dtype)
     x[..., 5] *= 10
     codes, meta = encode_tokens(x, bits, group or D)
     assert codes.dtype == torch.uint8 and codes.shape[-1] == D * bits // 8 and meta.dtype == torch.float16
@@ -256,7 +257,7 @@ def test_per_token_error_is_within_half_a_step(bits, dtype, group):
 def test_per_channel_error_is_within_half_a_step(bits):
     """KIVI keys: one scale and zero point per channel over a group of tokens."""
     g = torch.Generator().manual_seed(bits)
-    x = torch.randn(1, 2, 64, 32, generator=g) * torch.linspace(0.1, 8, 32) + torch.linspace(-5, 5, 32)
+    x = (torch.randn(1, 2, 64, 32, generator=g) * torch.linspace(0.1, 8, 32) + torch.linspace(-5, 5, 32)).to(DEVICE)
     q, scale, zero = quantize(x, bits, dim=2)
     assert scale.shape == (1, 2, 1, 32) and scale.dtype == torch.float16
     y = q.float() * scale.float() + zero.float()
@@ -264,7 +265,7 @@ def test_per_channel_error_is_within_half_a_step(bits):
 
 
 def test_constant_groups_come_back_exactly():
-    x = torch.full((1, 1, 3, 16), 0.25)
+    x = torch.full((1, 1, 3, 16), 0.25, device=DEVICE)
     codes, meta = encode_tokens(x, 4, 16)
     assert torch.equal(decode_tokens(codes, meta, 4, torch.float32), x)
 
@@ -366,14 +367,14 @@ def test_kivi_groups_fill_in_slot_order():
     """The newest tokens of an unfinished group are kept exactly; a group's last slot seals it
     per channel; a group cut short by the end of the cache stays per token."""
     store = _kivi(C=10, G=4)
-    x = torch.randn(1, 2, 10, 8, generator=torch.Generator().manual_seed(0))
-    store.write_slice(0, x[:, :, :6], x[:, :, :6], torch.arange(6)[None])
+    x = torch.randn(1, 2, 10, 8, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    store.write_slice(0, x[:, :, :6], x[:, :, :6], torch.arange(6, device=DEVICE)[None])
     assert store.k_mode[0, 0, :6].tolist() == [CHANNEL] * 4 + [RESIDUAL] * 2
     k, v, _ = decoded(store, 6)
     assert torch.equal(k[:, :, 4:], x[:, :, 4:6]) and torch.equal(v[:, :, 4:], x[:, :, 4:6])
     assert not torch.equal(k[:, :, :4], x[:, :, :4])
     for t in range(6, 10):
-        store.write_slice(t, x[:, :, t : t + 1], x[:, :, t : t + 1], torch.tensor([[t]]))
+        store.write_slice(t, x[:, :, t : t + 1], x[:, :, t : t + 1], torch.tensor([[t]], device=DEVICE))
     assert store.k_mode[0, 0, :10].tolist() == [CHANNEL] * 8 + [TOKEN] * 2
     assert int(store.fill[0]) == 0 and int(store.res_start[0]) == -1
 
@@ -382,27 +383,27 @@ def test_kivi_eviction_inside_a_group_keeps_its_scales():
     """A scoring policy's decode step puts its token over a slot of a sealed group: the newcomer
     is kept per token, the group keeps its scales and the other tokens their codes."""
     store = _kivi(C=8, G=4)
-    x = torch.randn(1, 2, 8, 8, generator=torch.Generator().manual_seed(1))
-    store.write_slice(0, x, x, torch.arange(8)[None])
+    x = torch.randn(1, 2, 8, 8, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    store.write_slice(0, x, x, torch.arange(8, device=DEVICE)[None])
     channel, codes = store.k_channel.clone(), store.k.clone()
-    new = torch.randn(1, 2, 1, 8)
-    store.write_slice(8, new, new, torch.tensor([[8]]))
-    store.settle(torch.tensor([[[1], [6]]]), new, new, torch.tensor([[8]]))
+    new = torch.randn(1, 2, 1, 8, device=DEVICE)
+    store.write_slice(8, new, new, torch.tensor([[8]], device=DEVICE))
+    store.settle(torch.tensor([[[1], [6]]], device=DEVICE), new, new, torch.tensor([[8]], device=DEVICE))
     assert torch.equal(store.k_channel, channel)
     assert store.k_mode[0, 0, :8].tolist() == [CHANNEL, TOKEN] + [CHANNEL] * 6
     assert store.k_mode[0, 1, :8].tolist() == [CHANNEL] * 6 + [TOKEN, CHANNEL]
-    untouched = torch.ones(2, 8, dtype=torch.bool)
+    untouched = torch.ones(2, 8, dtype=torch.bool, device=DEVICE)
     untouched[0, 1] = untouched[1, 6] = False
     assert torch.equal(store.k[0, :, :8][untouched], codes[0, :, :8][untouched])
 
 
 def test_kivi_a_token_inside_the_open_group_abandons_it():
     store = _kivi(C=8, G=4)
-    x = torch.randn(1, 2, 6, 8)
-    store.write_slice(0, x, x, torch.arange(6)[None])
+    x = torch.randn(1, 2, 6, 8, device=DEVICE)
+    store.write_slice(0, x, x, torch.arange(6, device=DEVICE)[None])
     assert int(store.fill[0]) == 2
-    store.write_slice(8, x[:, :, :1], x[:, :, :1], torch.tensor([[6]]))
-    store.settle(torch.tensor([[[4], [0]]]), x[:, :, :1], x[:, :, :1], torch.tensor([[6]]))
+    store.write_slice(8, x[:, :, :1], x[:, :, :1], torch.tensor([[6]], device=DEVICE))
+    store.settle(torch.tensor([[[4], [0]]], device=DEVICE), x[:, :, :1], x[:, :, :1], torch.tensor([[6]], device=DEVICE))
     assert int(store.fill[0]) == 0 and not bool((store.k_mode == RESIDUAL).any())
     k, _, _ = decoded(store, 6)
     # Slot 5 falls back to the per-token codes written with it.
@@ -415,16 +416,16 @@ def test_kivi_ring_rewrites_a_whole_group_before_resealing_it():
     rewritten, its old tokens keep the old scales until the last one is overwritten, and the new
     group is sealed from the new tokens alone."""
     store = _kivi(C=8, G=4, per_head=False)
-    x = torch.randn(1, 2, 14, 8, generator=torch.Generator().manual_seed(2))
-    store.write_slice(0, x[:, :, :8], x[:, :, :8], torch.arange(8)[None])
+    x = torch.randn(1, 2, 14, 8, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    store.write_slice(0, x[:, :, :8], x[:, :, :8], torch.arange(8, device=DEVICE)[None])
     old = store.k_channel[:, :, 0].clone()
     for p in range(8, 11):  # positions 8..10 overwrite slots 0..2
-        store.write_slice(p - 8, x[:, :, p : p + 1], x[:, :, p : p + 1], torch.tensor([[p]]))
+        store.write_slice(p - 8, x[:, :, p : p + 1], x[:, :, p : p + 1], torch.tensor([[p]], device=DEVICE))
     assert store.k_mode[0, 0, :4].tolist() == [RESIDUAL] * 3 + [CHANNEL]
     assert torch.equal(store.k_channel[:, :, 0], old)
     k, _, _ = decoded(store, 8)
     assert torch.equal(k[:, :, :3], x[:, :, 8:11])
-    store.write_slice(3, x[:, :, 11:12], x[:, :, 11:12], torch.tensor([[11]]))
+    store.write_slice(3, x[:, :, 11:12], x[:, :, 11:12], torch.tensor([[11]], device=DEVICE))
     assert store.k_mode[0, 0, :4].tolist() == [CHANNEL] * 4
     q, scale, zero = quantize(x[:, :, 8:12], 4, dim=2)
     assert torch.equal(store.k_channel[:, :, 0], torch.cat((scale, zero), 2))
@@ -433,9 +434,9 @@ def test_kivi_ring_rewrites_a_whole_group_before_resealing_it():
 def test_kivi_keep_seals_whole_groups_of_new_tokens():
     """A prompt compressed into an empty cache (every slot a new token) is quantized per channel."""
     store = _kivi(C=8, G=4)
-    x = torch.randn(1, 2, 20, 8)
-    index = torch.randperm(20)[:8].expand(1, 2, 8)
-    store.keep(x, x, torch.arange(20).expand(1, 2, 20), index, stored=0)
+    x = torch.randn(1, 2, 20, 8, device=DEVICE)
+    index = torch.randperm(20, device=DEVICE)[:8].expand(1, 2, 8)
+    store.keep(x, x, torch.arange(20, device=DEVICE).expand(1, 2, 20), index, stored=0)
     assert bool((store.k_mode[:, :, :8] == CHANNEL).all())
     assert torch.equal(store.pos[:, :, :8], index)
 
@@ -535,10 +536,10 @@ def test_kivi_chunk_attention_equals_reading_the_codes(case, monkeypatch):
         monkeypatch.setattr(kivi_module, "CHUNK_QUERIES", 3)
 
     def write(start: int, T: int, n: list[int]) -> None:
-        k = torch.randn(B, H, T, D, generator=gen) * torch.linspace(0.2, 3, D)
-        v = torch.randn(B, H, T, D, generator=gen)
-        pos = start + torch.arange(T).expand(B, T)
-        valid = torch.arange(T)[None] < torch.tensor(n)[:, None]
+        k = torch.randn(B, H, T, D, generator=gen).to(DEVICE) * torch.linspace(0.2, 3, D, device=DEVICE)
+        v = torch.randn(B, H, T, D, generator=gen).to(DEVICE)
+        pos = start + torch.arange(T, device=DEVICE).expand(B, T)
+        valid = torch.arange(T, device=DEVICE)[None] < torch.tensor(n, device=DEVICE)[:, None]
         store.write(torch.where(valid, pos, C), k, v, pos)
         store.pos[:, :, C] = -1
 
@@ -548,9 +549,9 @@ def test_kivi_chunk_attention_equals_reading_the_codes(case, monkeypatch):
         start = 6
     n = [13, 9] if case == "ragged" else [13] * B
     write(start, 13, n)
-    q = torch.randn(B, Hq, 13, D, generator=gen)
-    q_pos = start + torch.arange(13).expand(B, 13)
-    got = store.attend_chunk(q, q_pos, torch.tensor(n), window)
+    q = torch.randn(B, Hq, 13, D, generator=gen).to(DEVICE)
+    q_pos = start + torch.arange(13, device=DEVICE).expand(B, 13)
+    got = store.attend_chunk(q, q_pos, torch.tensor(n), window)  # n_tokens stays on the host
     keys, values, k_pos = store.view(start + 13)
     want = attention.masked(q, keys, values, q_pos, k_pos, window=window)
     now = attention.masked(q, keys.decoded(), values.decoded(), q_pos, k_pos, window=window)
