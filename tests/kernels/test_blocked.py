@@ -14,8 +14,9 @@ from kvcache import attention
 from kvcache.cache import CacheSpec
 from kvcache.cache.storage import make_storage
 from kvcache.kernels import CHANNEL, RESIDUAL, TOKEN, PackedKeys, PackedValues, blocked
+from conftest import DEVICE
 
-CPU = torch.device("cpu")
+CPU = DEVICE  # the test device (the name predates it)
 ATOL = 2e-5  # float32: scales folded into queries and weights instead of applied to the codes
 LAYOUTS = ["token8", "token4/4", "token2", "kivi4/4", "kivi2/8", "kivi8/4"]
 
@@ -68,11 +69,11 @@ def test_masked_matches_full_precision(name, rule):
     store = filled(name, per_head=not rule.get("all_visible"))
     k, v, pos, kd, vd = _ref(store, 25)
     gen = torch.Generator().manual_seed(1)
-    q = torch.randn(2, 4, 7, 16, generator=gen)
-    q_pos = torch.arange(18, 25).expand(2, 7)
+    q = torch.randn(2, 4, 7, 16, generator=gen).to(DEVICE)
+    q_pos = torch.arange(18, 25, device=DEVICE).expand(2, 7)
     if rule.get("all_visible"):
         # A promise that every slot holds a position no query is before (a filled dense cache).
-        pos = torch.arange(25).expand(2, 1, 25)
+        pos = torch.arange(25, device=DEVICE).expand(2, 1, 25)
         store.pos[:, :, :25] = pos
         k, v, pos, kd, vd = _ref(store, 25)
         q_pos = q_pos + 25
@@ -88,18 +89,19 @@ def test_weights_mass_and_seen_match_full_precision(name, sink):
     store = filled(name)
     k, v, pos, kd, vd = _ref(store, 25)
     gen = torch.Generator().manual_seed(2)
-    new_k, new_v = torch.randn(2, 2, 6, 16, generator=gen), torch.randn(2, 2, 6, 16, generator=gen)
-    new_pos = torch.arange(41, 47).expand(2, 2, 6)
+    new_k = torch.randn(2, 2, 6, 16, generator=gen).to(DEVICE)
+    new_v = torch.randn(2, 2, 6, 16, generator=gen).to(DEVICE)
+    new_pos = torch.arange(41, 47, device=DEVICE).expand(2, 2, 6)
     k, v = torch.cat((k, new_k), dim=2), torch.cat((v, new_v), dim=2)
     assert isinstance(k, PackedKeys) and k.shape == (2, 2, 31, 16)
     kd, vd = torch.cat((kd, new_k), dim=2), torch.cat((vd, new_v), dim=2)
     pos = torch.cat((pos, new_pos), dim=2)
-    q = torch.randn(2, 4, 6, 16, generator=gen)
-    q_pos = torch.arange(41, 47).expand(2, 6)
-    weight = torch.tensor([[1.0, 0.0, 1.0, 0.5, 1.0, 1.0], [0.0, 1.0, 1.0, 1.0, 2.0, 0.0]])
+    q = torch.randn(2, 4, 6, 16, generator=gen).to(DEVICE)
+    q_pos = torch.arange(41, 47, device=DEVICE).expand(2, 6)
+    weight = torch.tensor([[1.0, 0.0, 1.0, 0.5, 1.0, 1.0], [0.0, 1.0, 1.0, 1.0, 2.0, 0.0]], device=DEVICE)
     rule = dict(window=8, sinks=3)
     if sink:
-        rule["q_sink"] = torch.randn(2, 4, 6, 16, generator=gen)
+        rule["q_sink"] = torch.randn(2, 4, 6, 16, generator=gen).to(DEVICE)
     got = attention.masked_with_weights(q, k, v, q_pos, pos, weight, **rule)
     want = attention.masked_with_weights(q, kd, vd, q_pos, pos, weight, **rule)
     for a, b in zip(got, want):
@@ -113,7 +115,7 @@ def test_decode_matches_full_precision(name, mass):
     store = filled(name, per_head=False)
     k, v, pos, kd, vd = _ref(store, 25)
     gen = torch.Generator().manual_seed(3)
-    q = torch.randn(2, 4, 1, 16, generator=gen)
+    q = torch.randn(2, 4, 1, 16, generator=gen).to(DEVICE)
     for visible in (None, pos >= 0):
         got = attention.decode(q, k, v, visible, want_mass=mass)
         want = attention.decode(q, kd, vd, visible, want_mass=mass)
@@ -121,7 +123,7 @@ def test_decode_matches_full_precision(name, mass):
         if mass:
             assert (got[1] - want[1]).abs().max() <= ATOL
     # Renumbered sinks: the first slots scored by another query.
-    q_sink = torch.randn(2, 4, 1, 16, generator=gen)
+    q_sink = torch.randn(2, 4, 1, 16, generator=gen).to(DEVICE)
     got, _ = attention.decode(q, k, v, pos >= 0, q_sink=q_sink, sink_slots=3)
     want, _ = attention.decode(q, kd, vd, pos >= 0, q_sink=q_sink, sink_slots=3)
     assert (got - want).abs().max() <= ATOL
@@ -132,7 +134,8 @@ def test_causal_matches_full_precision(name):
     store = filled(name, per_head=False)
     k, v, _, kd, vd = _ref(store, 13)
     gen = torch.Generator().manual_seed(4)
-    q, q_sink = torch.randn(2, 4, 13, 16, generator=gen), torch.randn(2, 4, 13, 16, generator=gen)
+    q = torch.randn(2, 4, 13, 16, generator=gen).to(DEVICE)
+    q_sink = torch.randn(2, 4, 13, 16, generator=gen).to(DEVICE)
     q_sink[:, :, :4] = q[:, :, :4]  # as renumbering leaves the queries within the window's reach
     for rule in (dict(), dict(window=4, sinks=2, q_sink=q_sink)):
         got = attention.causal(q, k, v, **rule)
@@ -167,7 +170,7 @@ def test_nothing_decodes_a_whole_cache(llama, monkeypatch, policy):
     monkeypatch.setattr(packed, "as_float", recorded)
     monkeypatch.setattr(blocked, "as_float", recorded)
     cache = kvcache.make_cache(llama, policy, cache_length=180 if policy.startswith("dense") else 160, **({"recent": 8} if "h2o" in policy else {}))
-    ids = torch.randint(3, 128, (1, 180), generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(3, 128, (1, 180), generator=torch.Generator().manual_seed(5)).to(DEVICE)
     with torch.inference_mode():
         llama(ids[:, :130], cache)
         largest.clear()

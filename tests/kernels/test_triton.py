@@ -1,8 +1,9 @@
 """The Triton decode kernel (kvcache/kernels/triton_decode.py) against the blocked path: every
 layout and key mode, masks shared by heads and per head, attention mass, several splits of the
-slots, and h2o decode steps through a model. On a machine with CUDA the compiled kernel runs on
-CUDA tensors; without, Triton's interpreter runs it on CPU tensors. Skipped where Triton is not
-installed (it is not a dependency; kvcache uses it on CUDA when present)."""
+slots, and h2o decode steps through a model. On the test device: with KVCACHE_TEST_DEVICE=cuda
+the compiled kernel runs on CUDA tensors; on the CPU, Triton's interpreter runs it on CPU tensors.
+Skipped where Triton is not installed (it is not a dependency; kvcache uses it on CUDA when
+present)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import os
 import pytest
 import torch
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+from conftest import DEVICE
+
 if DEVICE.type == "cpu":
     # Read when triton is imported and when a kernel is decorated.
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -48,7 +50,6 @@ def test_triton_decode_matches_the_blocked_path(name, per_head):
                 assert (got[1] - want[1]).abs().max() <= ATOL
 
 
-@pytest.mark.skipif(DEVICE.type == "cuda", reason="the test model lives on the CPU")
 def test_h2o_decode_steps_through_the_kernel(llama, monkeypatch):
     """h2o:int4 ranks by the mass the kernel returns: the same kept tokens and logits as the
     blocked path, step after step."""
@@ -59,7 +60,7 @@ def test_h2o_decode_steps_through_the_kernel(llama, monkeypatch):
         calls.append(want_mass)
         return triton_decode.decode(q, k, v, visible, want_mass=want_mass)
 
-    ids = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(6))
+    ids = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(6)).to(DEVICE)
 
     def run():
         cache = kvcache.make_cache(llama, "h2o:int4/4", cache_length=12, batch_size=2, recent=3)
@@ -78,7 +79,8 @@ def test_h2o_decode_steps_through_the_kernel(llama, monkeypatch):
 def test_the_blocked_path_takes_what_the_kernel_does_not():
     store = filled("kivi4/4")
     k, v, _ = store.view(25)
-    assert not triton_decode.supported(torch.zeros(2, 4, 1, 16), torch.cat((k, torch.zeros(2, 2, 3, 16)), dim=2), v)
+    zeros = lambda *shape: torch.zeros(*shape, device=DEVICE)  # noqa: E731
+    assert not triton_decode.supported(zeros(2, 4, 1, 16), torch.cat((k, zeros(2, 2, 3, 16)), dim=2), v)
     store12 = filled("token4", D=12)
     k12, v12, _ = store12.view(25)
-    assert not triton_decode.supported(torch.zeros(2, 4, 1, 12), k12, v12)
+    assert not triton_decode.supported(zeros(2, 4, 1, 12), k12, v12)
