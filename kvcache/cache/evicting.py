@@ -54,8 +54,9 @@ class EvictingCache(LayerCache):
     name: str
     description: str
     per_head: bool = False
-    # Names of per-slot float32 statistics (B, Hp, C + 1) carried along with the keys.
-    stats: tuple[str, ...] = ()
+    # Names of per-slot float32 statistics (B, Hp, C + 1) carried along with the keys: ``stats``
+    # by name, all held in one buffer.
+    stat_names: tuple[str, ...] = ()
     # Whether ``observe`` needs attention mass; if not, attention uses the fused kernel and
     # ``observe`` is called every step without it.
     needs_attention: bool = False
@@ -67,6 +68,12 @@ class EvictingCache(LayerCache):
     # Whether ``reserve`` (batched eviction) applies; a ring, always full, has no use for it.
     supports_reserve: bool = True
 
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if isinstance(vars(cls).get("stats"), tuple):
+            raise TypeError(f"{cls.__name__}: name per-slot statistics in stat_names, not stats "
+                            "(stats is the dict of their buffers)")
+
     def __init__(self, spec: CacheSpec, options) -> None:
         super().__init__(spec, options)
         self.storage = make_storage(spec, per_head=self.per_head)
@@ -74,9 +81,10 @@ class EvictingCache(LayerCache):
         self.held = torch.zeros(spec.batch_size, dtype=torch.long)
         Hp = self.storage.pos.shape[1]
         # One buffer for all statistics, so the decode step clears and moves them in one call each.
-        self._stats = torch.zeros(len(self.stats), spec.batch_size, Hp, spec.cache_length + 1, device=spec.device)
+        self._stat_buffer = torch.zeros(len(self.stat_names), spec.batch_size, Hp, spec.cache_length + 1,
+                                        device=spec.device)
         # Views by indexing (not ``unbind``, whose views autograd forbids writing in place).
-        self.stat = {name: self._stats[i] for i, name in enumerate(self.stats)}
+        self.stats = {name: self._stat_buffer[i] for i, name in enumerate(self.stat_names)}
         # A policy that does not define ``observe`` (knorm) costs nothing to observe.
         self._observes = type(self).observe is not EvictingCache.observe
 
@@ -160,14 +168,14 @@ class EvictingCache(LayerCache):
         if even:
             h = int(held[0])
             store.write_slice(h, k, v, step.positions)
-            self._stats[..., h : h + step.num_tokens] = 0.0
+            self._stat_buffer[..., h : h + step.num_tokens] = 0.0
         else:
             # Padding goes to the scratch slot, whose statistics are cleared with the rest.
             t = torch.arange(step.num_tokens, device=k.device)
             slots = torch.where(step.valid, held.to(k.device)[:, None] + t, self.spec.cache_length)
             store.write(slots, k, v, step.positions)
-            n, B, Hp, _ = self._stats.shape
-            self._stats.scatter_(3, slots[None, :, None].expand(n, B, Hp, -1), 0.0)
+            n, B, Hp, _ = self._stat_buffer.shape
+            self._stat_buffer.scatter_(3, slots[None, :, None].expand(n, B, Hp, -1), 0.0)
             store.pos[:, :, self.spec.cache_length] = -1
         self.held = held + step.n_tokens
         span = int(self.held.max())
@@ -185,8 +193,8 @@ class EvictingCache(LayerCache):
             seen = 1.0 if visible is None else visible.float()
         else:
             out, mass, seen = self._attend(q, ks, vs, step.positions, pos, step, observe=observe)
-        stat = {name: s[:, :, :span] for name, s in self.stat.items()}
-        self._observe(Candidates(ks, vs, pos, stat, q, step), mass, seen)
+        stats = {name: s[:, :, :span] for name, s in self.stats.items()}
+        self._observe(Candidates(ks, vs, pos, stats, q, step), mass, seen)
         return out
 
     def _observe(self, c: Candidates, mass: torch.Tensor | None, seen: torch.Tensor | float) -> None:
@@ -206,7 +214,7 @@ class EvictingCache(LayerCache):
         C = self.spec.cache_length
         store = self.storage
         store.write_slice(C, k, v, step.positions)
-        self._stats[..., C] = 0.0
+        self._stat_buffer[..., C] = 0.0
         ks, vs, pos = store.view(C + 1)
         # Once every row has seen C tokens no slot is empty (a captured step does not know).
         full = step.min_start >= C
@@ -216,7 +224,7 @@ class EvictingCache(LayerCache):
         else:
             visible = attention.visibility(step.positions, pos, self.window(), self.sinks(), self.spec.window)[:, :, 0]
         out, mass = attention.decode(q, ks, vs, visible, want_mass=self.needs_attention)
-        c = Candidates(ks, vs, pos, self.stat, q, step)
+        c = Candidates(ks, vs, pos, self.stats, q, step)
         self._observe(c, mass, 1.0 if visible is None else visible.float())
         prio = self.priority(c)
         if not full:
@@ -226,9 +234,9 @@ class EvictingCache(LayerCache):
         lowest = prio == prio.amin(-1, keepdim=True)
         victim = torch.where(lowest, pos, torch.iinfo(torch.long).max).argmin(-1, keepdim=True)  # (B, Hp, 1)
         store.settle(victim, k, v, step.positions)
-        if self.stats:
-            n, B, Hp, _ = self._stats.shape
-            self._stats.scatter_(3, victim.expand(n, B, Hp, 1), self._stats[..., C : C + 1].clone())
+        if self.stat_names:
+            n, B, Hp, _ = self._stat_buffer.shape
+            self._stat_buffer.scatter_(3, victim.expand(n, B, Hp, 1), self._stat_buffer[..., C : C + 1].clone())
         return out
 
     def advance_decode(self) -> None:
@@ -250,9 +258,9 @@ class EvictingCache(LayerCache):
             cand_k, cand_v, cand_pos = torch.cat((ks, k), dim=2), torch.cat((vs, v), dim=2), torch.cat((pos, new_pos), dim=2)
         else:
             cand_k, cand_v, cand_pos = k, v, new_pos
-        stat = {
+        stats = {
             name: torch.cat((s[:, :, :stored], s.new_zeros(s.shape[0], Hp, k.shape[2])), dim=2)
-            for name, s in self.stat.items()
+            for name, s in self.stats.items()
         }
         # The chunk attends the kept slots decoded (what reading their codes gives, at the cost of
         # full-precision attention); the candidates stay packed, so that ``keep`` moves the kept
@@ -260,7 +268,7 @@ class EvictingCache(LayerCache):
         att_k, att_v = (cand_k.decoded(), cand_v.decoded()) if stored and store.packed else (cand_k, cand_v)
         out, mass, seen = self._attend(q, att_k, att_v, step.positions, cand_pos, step,
                                        self.sink_queries(q, step))
-        c = Candidates(cand_k, cand_v, cand_pos, stat, q, step)
+        c = Candidates(cand_k, cand_v, cand_pos, stats, q, step)
         self._observe(c, mass, seen)
         self._keep(c, stored)
         return out
@@ -270,7 +278,7 @@ class EvictingCache(LayerCache):
         ``stored`` candidates are the kept slots, the rest the chunk. A row that overflows keeps
         ``cache_length - reserve`` of them."""
         C = self.spec.cache_length
-        cand_k, cand_v, cand_pos, stat, step = c.keys, c.values, c.positions, c.stats, c.step
+        cand_k, cand_v, cand_pos, stats, step = c.keys, c.values, c.positions, c.stats, c.step
         prio = self.priority(c).masked_fill(cand_pos < 0, EMPTY)
         total = self.held + step.n_tokens
         over = total > C
@@ -282,8 +290,8 @@ class EvictingCache(LayerCache):
         ranked = prio.gather(2, by_age).sort(dim=-1, descending=True, stable=True).indices
         keep = by_age.gather(2, ranked[..., :C])  # (B, Hp, C)
         self.storage.keep(cand_k, cand_v, cand_pos, keep, stored=stored)
-        for name, s in self.stat.items():
-            s[:, :, :C] = stat[name].gather(2, keep)
+        for name, s in self.stats.items():
+            s[:, :, :C] = stats[name].gather(2, keep)
         if self.spec.block > 1:
             # Slots hold the kept candidates first; each head's dropped ones (past its own count) are emptied.
             self.held = kept
@@ -297,18 +305,18 @@ class EvictingCache(LayerCache):
 
     def reset(self) -> None:
         self.storage.reset()
-        self._stats.zero_()
+        self._stat_buffer.zero_()
         self.held.zero_()
 
     def state(self) -> dict[str, torch.Tensor]:
         """The storage's buffers, each statistic ``stat.{name}`` (B, Hp, C + 1) and ``held`` (B,)."""
         state = super().state()
-        state.update({f"stat.{name}": s for name, s in self.stat.items()})
+        state.update({f"stat.{name}": s for name, s in self.stats.items()})
         state["held"] = self.held
         return state
 
     def nbytes(self) -> int:
-        return self.storage.nbytes() + self._stats.numel() * self._stats.element_size()
+        return self.storage.nbytes() + self._stat_buffer.numel() * self._stat_buffer.element_size()
 
 
 def require_room(spec: CacheSpec, what: str, n: int, purpose: str = "") -> None:

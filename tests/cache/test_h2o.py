@@ -118,6 +118,6 @@ def test_h2o_streams_100k_tokens_in_flat_memory(tiny):
     assert run["fed"] == total and cache.lengths.tolist() == [total]
     assert run["finite"]
     for layer in cache.layers:
-        assert torch.isfinite(layer.stat["score"]).all()
+        assert torch.isfinite(layer.stats["score"]).all()
     growth = run["rss_end"] - run["rss_checkpoint"]
     assert growth < 8 * 2**20, f"RSS grew by {growth / 2**20:.1f} MiB between 10k and 100k tokens"

@@ -9,6 +9,7 @@ import kvcache
 from kvcache.cache import CacheSpec, KVCache
 from kvcache.cache.policies.qh2o import QH2OCache, QH2OOptions
 from policy_util import EXACT_ATOL, build_tiny, ids_for, kept, max_diff
+from conftest import DEVICE
 
 ATOL = EXACT_ATOL[torch.float32]
 
@@ -43,19 +44,19 @@ def test_weight_zero_keeps_the_tokens_that_quantize_best():
     of them outranks every random one, and the recent tokens stay whatever their error."""
     H, D, C = 2, 16, 8
     spec = CacheSpec(batch_size=1, num_kv_heads=H, head_dim=D, cache_length=C, dtype=torch.float32,
-                     device=torch.device("cpu"))
+                     device=DEVICE)
     layer = QH2OCache(spec, QH2OOptions(recent=2, weight=0.0, bits=2))
     cache = KVCache([layer], spec, "qh2o")
     gen = torch.Generator().manual_seed(0)
     T = 12
-    k = torch.randn(1, H, T, D, generator=gen)
-    v = torch.randn(1, H, T, D, generator=gen)
+    k = torch.randn(1, H, T, D, generator=gen).to(DEVICE)
+    v = torch.randn(1, H, T, D, generator=gen).to(DEVICE)
     easy = [0, 2, 4, 6, 8]
-    k[:, :, easy] = torch.randn(1, H, len(easy), 1, generator=gen).expand(-1, -1, -1, D)
+    k[:, :, easy] = torch.randn(1, H, len(easy), 1, generator=gen).to(DEVICE).expand(-1, -1, -1, D)
     v[:, :, easy] = 0.5
-    step = cache.begin(torch.zeros(1, T, dtype=torch.long), None)
+    step = cache.begin(torch.zeros(1, T, dtype=torch.long, device=DEVICE), None)
     with torch.inference_mode():
-        layer.attend(torch.randn(1, 2 * H, T, D, generator=gen), k, v, step)
+        layer.attend(torch.randn(1, 2 * H, T, D, generator=gen).to(DEVICE), k, v, step)
     cache.commit(step)
     for held in kept(layer, 0):
         assert set(easy) | {10, 11} <= set(held)
@@ -70,7 +71,7 @@ def test_error_is_measured_before_quantization(tiny):
         tiny(ids_for(40, seed=2, vocab=tiny.config.vocab_size), cache)
     for layer in cache.layers:
         held = layer.storage.pos[:, :, :16] >= 0
-        assert bool((layer.stat["error"][..., :16][held] > 0).all())
+        assert bool((layer.stats["error"][..., :16][held] > 0).all())
 
 
 @pytest.mark.parametrize("options,message", [({"weight": 1.5}, "weight must lie in"), ({"bits": 3}, "bits")])

@@ -71,7 +71,7 @@ class CriticalCache(EvictingCache):
         self.base = base.__new__(base)
         EvictingCache.__init__(self.base, dataclasses.replace(spec, cache_length=1, reserve=0, block=1), settings)
         # What the base needs from the machinery, it gets through this cache.
-        self.stats = base.stats
+        self.stat_names = base.stat_names
         self.needs_attention = base.needs_attention
         self.observe_every_step = base.observe_every_step
         super().__init__(spec, options)

@@ -36,7 +36,7 @@ class H2OCache(EvictingCache):
     description = "Heavy-Hitter Oracle: `recent` newest + most-attended tokens, per row and K/V head"
     Options = H2OOptions
     per_head = True
-    stats = ("score",)
+    stat_names = ("score",)
     needs_attention = True
     observe_every_step = True
 
@@ -47,11 +47,11 @@ class H2OCache(EvictingCache):
 
     def __init__(self, spec: CacheSpec, options: H2OOptions) -> None:
         require_room(spec, "recent + sinks", options.recent + options.sinks, " to leave room for heavy hitters")
-        self.stats = self.stat_names(options)
+        self.stat_names = self.stat_names_for(options)
         super().__init__(spec, options)
 
     @staticmethod
-    def stat_names(options: H2OOptions) -> tuple[str, ...]:
+    def stat_names_for(options: H2OOptions) -> tuple[str, ...]:
         """The per-slot statistics kept: how many queries saw each token only to normalize."""
         return ("score", "seen") if options.normalize else ("score",)
 

@@ -51,8 +51,8 @@ class QH2OCache(H2OCache):
         self.error_bits = options.bits if kind.layout == "full" else kind.bits
 
     @staticmethod
-    def stat_names(options: QH2OOptions) -> tuple[str, ...]:
-        return (*H2OCache.stat_names(options), "error")
+    def stat_names_for(options: QH2OOptions) -> tuple[str, ...]:
+        return (*H2OCache.stat_names_for(options), "error")
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
         # Measured on the chunk as the model computed it: what the storage keeps is already

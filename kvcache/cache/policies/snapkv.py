@@ -44,7 +44,7 @@ class SnapKVCache(EvictingCache):
     description = "SnapKV: the prompt's last `window` tokens vote (pooled) per head; then `fallback`"
     Options = SnapKVOptions
     per_head = True
-    stats = ("score",)
+    stat_names = ("score",)
     needs_attention = True
 
     @classmethod

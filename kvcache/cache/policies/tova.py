@@ -22,7 +22,7 @@ def newest_query(step: Step) -> torch.Tensor:
 class TOVACache(EvictingCache):
     name = "tova"
     description = "TOVA: evict the token the newest query attends least (mean over heads)"
-    stats = ("score",)
+    stat_names = ("score",)
     needs_attention = True
 
     def query_weight(self, step: Step) -> torch.Tensor:
