@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kvcache
-from conftest import random_ids
+from conftest import DEVICE, random_ids
 
 
 @pytest.fixture
@@ -56,7 +56,7 @@ def test_n_tokens_as_tensor_or_list(llama):
         a = kvcache.make_cache(llama, cache_length=5, batch_size=2)
         b = kvcache.make_cache(llama, cache_length=5, batch_size=2)
         out_a = llama(ids, a, n_tokens=[5, 2])
-        out_b = llama(ids, b, n_tokens=torch.tensor([5, 2], dtype=torch.int32))
+        out_b = llama(ids, b, n_tokens=torch.tensor([5, 2], dtype=torch.int32, device=DEVICE))
     assert a.lengths.tolist() == b.lengths.tolist() == [5, 2]
     assert torch.equal(out_a[0], out_b[0]) and torch.equal(out_a[1, :2], out_b[1, :2])
 

@@ -9,13 +9,14 @@ import torch
 import kvcache
 from kvcache.cache.policies.critical import projected_value_norms
 from policy_util import kept
+from conftest import DEVICE
 
 
 def test_projected_value_norms_are_the_l1_norms_of_v_times_wo():
     g = torch.Generator().manual_seed(0)
     B, Hkv, N, D, group, hidden = 1, 2, 5, 4, 3, 7
-    values = torch.randn(B, Hkv, N, D, generator=g)
-    wo = torch.randn(hidden, Hkv * group * D, generator=g)
+    values = torch.randn(B, Hkv, N, D, generator=g).to(DEVICE)
+    wo = torch.randn(hidden, Hkv * group * D, generator=g).to(DEVICE)
     got = projected_value_norms(values, wo)
     for h in range(Hkv):
         per_query_head = [(values[0, h] @ wo[:, q * D : (q + 1) * D].t()).abs().sum(-1)
@@ -26,7 +27,7 @@ def test_projected_value_norms_are_the_l1_norms_of_v_times_wo():
 @pytest.mark.parametrize("first_stage", [0.0, 0.5])
 def test_a_prompt_keeps_the_two_stages(llama, first_stage):
     T, C = 40, 12
-    ids = torch.arange(3, 3 + T)[None]
+    ids = torch.arange(3, 3 + T, device=DEVICE)[None]
     with torch.inference_mode():
         dense = kvcache.make_cache(llama, "dense", cache_length=T)
         llama(ids, dense)
@@ -50,6 +51,6 @@ def test_a_model_without_output_projections_is_refused():
     from kvcache.cache.policies.critical import CriticalCache, CriticalOptions
 
     spec = CacheSpec(batch_size=1, num_kv_heads=2, head_dim=8, cache_length=8, dtype=torch.float32,
-                     device=torch.device("cpu"))
+                     device=DEVICE)
     with pytest.raises(ValueError, match="output projection"):
         CriticalCache(spec, CriticalOptions())

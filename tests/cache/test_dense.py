@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvcache
-from conftest import CACHE_ATOL, FAMILIES, VOCAB, max_diff, random_ids
+from conftest import DEVICE, CACHE_ATOL, FAMILIES, VOCAB, max_diff, random_ids, atol
 
 ATOL = CACHE_ATOL[torch.float32]
 
@@ -64,12 +64,12 @@ def test_token_by_token_equals_full_forward(model_factory, family):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_chunking_low_precision(checkpoint_factory, dtype):
-    model = kvcache.load(checkpoint_factory("qwen3").path, dtype=dtype)
+    model = kvcache.load(checkpoint_factory("qwen3").path, dtype=dtype, device=DEVICE)
     ids = random_ids(24, batch=2, seed=12)
     with torch.inference_mode():
         full = model(ids)
         chunked = _chunked(model, ids, [5, 6, 13, 20])
-        ref = kvcache.load(checkpoint_factory("qwen3").path)(ids)
+        ref = kvcache.load(checkpoint_factory("qwen3").path, device=DEVICE)(ids)
     assert chunked.dtype == dtype
     cache = kvcache.make_cache(model, cache_length=4, batch_size=1)
     assert cache.layers[0].storage.k.dtype == dtype
@@ -91,7 +91,7 @@ def _ragged_run(model, rows, schedule, pad_seed=0):
     got = [[] for _ in range(B)]
     for n in schedule:
         T = max(max(n), 1)
-        chunk = torch.randint(0, VOCAB, (B, T), generator=g)
+        chunk = torch.randint(0, VOCAB, (B, T), generator=g).to(DEVICE)
         for b in range(B):
             chunk[b, : n[b]] = rows[b][done[b] : done[b] + n[b]]
         logits = model(chunk, cache, n_tokens=n)
@@ -126,7 +126,7 @@ def test_padding_content_is_never_attended(llama):
         a = _ragged_run(llama, rows, schedule, pad_seed=1)
         b = _ragged_run(llama, rows, schedule, pad_seed=2)
     for x, y in zip(a, b):
-        assert max_diff(x, y) <= 1e-6
+        assert max_diff(x, y) <= atol("same")
 
 
 @st.composite
@@ -223,7 +223,7 @@ def test_reset_forgets_every_token(llama):
 
 @pytest.mark.parametrize("dtype,batch,length", [(torch.float32, 2, 10), (torch.bfloat16, 3, 7)])
 def test_nbytes(checkpoint_factory, dtype, batch, length):
-    model = kvcache.load(checkpoint_factory("qwen3").path, dtype=dtype)
+    model = kvcache.load(checkpoint_factory("qwen3").path, dtype=dtype, device=DEVICE)
     cfg = model.config
     cache = kvcache.make_cache(model, cache_length=length, batch_size=batch)
     elem = torch.tensor([], dtype=dtype).element_size()
@@ -245,4 +245,4 @@ def test_make_cache_geometry(model_factory):
     k = cache.layers[0].storage.k
     assert k.shape[0] == 3 and k.shape[1] == 2 and k.shape[3] == 24  # GQA heads, explicit head_dim
     assert model_factory("mistral_window").config.sliding_window == 8
-    assert kvcache.make_cache(model_factory("mistral_window"), cache_length=4).spec.window == 8
+    assert kvcache.make_cache(model_factory("mistral_window"), cache_length=4).spec.sliding_window == 8

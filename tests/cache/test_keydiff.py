@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 import kvcache
 from policy_util import kept
+from conftest import DEVICE
 
 VOCAB = 128
 
@@ -24,7 +25,7 @@ def dense_keys(model, ids: torch.Tensor) -> list[torch.Tensor]:
 def test_a_prompt_keeps_the_keys_furthest_from_the_anchor(llama, recent, sinks):
     T, C = 40, 12
     g = torch.Generator().manual_seed(5)
-    ids = torch.stack([3 + torch.randperm(VOCAB - 3, generator=g)[:T] for _ in range(2)])
+    ids = torch.stack([3 + torch.randperm(VOCAB - 3, generator=g).to(DEVICE)[:T] for _ in range(2)])
     with torch.inference_mode():
         keys = dense_keys(llama, ids)
         cache = kvcache.make_cache(llama, "keydiff", cache_length=C, batch_size=2, recent=recent, sinks=sinks)

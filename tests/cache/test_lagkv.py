@@ -8,13 +8,14 @@ import torch
 import kvcache
 from kvcache.cache.policies.lagkv import lag_scores
 from policy_util import kept
+from conftest import DEVICE
 
 
 def reference(k: torch.Tensor, v: torch.Tensor, sinks: int, lag: int) -> torch.Tensor:
     """(H, n) scores, one partition at a time."""
     H, n, _ = k.shape
     end = sinks + ((n - sinks) // lag) * lag
-    out = torch.ones(H, n)
+    out = torch.ones(H, n, device=DEVICE)
     for start in range(sinks, end - lag, lag):
         parts = []
         for x in (k, v):
@@ -28,15 +29,15 @@ def reference(k: torch.Tensor, v: torch.Tensor, sinks: int, lag: int) -> torch.T
 
 def test_scores_follow_the_rule():
     g = torch.Generator().manual_seed(0)
-    k, v = torch.randn(2, 3, 77, 8, generator=g)
+    k, v = torch.randn(2, 3, 77, 8, generator=g).to(DEVICE)
     assert torch.equal(lag_scores(k, v, sinks=4, lag=16), reference(k, v, 4, 16))
     short = lag_scores(k[:, :30], v[:, :30], sinks=4, lag=16)  # fewer than sinks + 2 * lag
-    assert torch.equal(short[:, :4], torch.ones(3, 4)) and bool((short[:, 5:] > short[:, 4:-1]).all())
+    assert torch.equal(short[:, :4], torch.ones(3, 4, device=DEVICE)) and bool((short[:, 5:] > short[:, 4:-1]).all())
 
 
 def test_a_prompt_keeps_sinks_tail_and_the_top_ranks(llama):
     T, C, sinks, lag = 60, 30, 2, 8
-    ids = torch.arange(3, 3 + T)[None]
+    ids = torch.arange(3, 3 + T, device=DEVICE)[None]
     with torch.inference_mode():
         dense = kvcache.make_cache(llama, "dense", cache_length=T)
         llama(ids, dense)

@@ -34,6 +34,7 @@ from policy_util import (
     max_diff,
     visible_sets,
 )
+from conftest import DEVICE, atol
 
 ATOL = EXACT_ATOL[torch.float32]
 VOCAB = 128  # the conftest llama
@@ -160,7 +161,7 @@ class PolicyChecker:
         calls = [call for call in self.recorder.calls if call["q_pos"].shape[1] == T]
         assert len(calls) == len(cache.layers), "one attention call per layer and model call"
         for i, (call, layer) in enumerate(zip(calls, cache.layers)):
-            assert bool((call["k_pos"] <= torch.tensor(lengths)[:, None, None] - 1).all())
+            assert bool((call["k_pos"] <= torch.tensor(lengths, device=DEVICE)[:, None, None] - 1).all())
             for b in range(len(lengths)):
                 for t in range(n[b]):
                     qp = start[b] + t
@@ -240,7 +241,7 @@ def test_queries_never_see_later_tokens_of_their_chunk(llama, case):
             changed[:, 4:] = other[:, :5]
             a = llama(chunk, cache, n_tokens=[9, 7])
             b = llama(changed, twin, n_tokens=[9, 7])
-            assert max_diff(a[:, :4], b[:, :4]) <= 1e-6
+            assert max_diff(a[:, :4], b[:, :4]) <= atol("same")
             assert max_diff(a[:, 4:7], b[:, 4:7]) > 1e-3  # the change does matter where visible
 
 
@@ -368,19 +369,19 @@ def test_listening_to_few_queries_scores_them_alone(llama, policy, options):
 
     cache = kvcache.make_cache(llama, policy, cache_length=8, batch_size=2, **options)
     layer = cache.layers[0]
-    step = cache.begin(torch.zeros(2, 20, dtype=torch.long), [20, 13])
+    step = cache.begin(torch.zeros(2, 20, dtype=torch.long, device=DEVICE), [20, 13])
     B, Hkv, D, T = 2, llama.config.num_kv_heads, llama.config.head_dim, 20
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(B, llama.config.num_heads, T, D, generator=gen)
-    k, v = torch.randn(B, Hkv, T, D, generator=gen), torch.randn(B, Hkv, T, D, generator=gen)
+    q = torch.randn(B, llama.config.num_heads, T, D, generator=gen).to(DEVICE)
+    k, v = torch.randn(B, Hkv, T, D, generator=gen).to(DEVICE), torch.randn(B, Hkv, T, D, generator=gen).to(DEVICE)
     k_pos = torch.where(step.valid, step.positions, -1).unsqueeze(1)
     weight = layer.query_weight(step)
     assert 0 < 2 * int(weight.ne(0).any(0).sum()) <= T  # the split path applies
     out, mass, seen = layer._attend(q, k, v, step.positions, k_pos, step)
     want_out, want_mass, want_seen = attention.masked_with_weights(q, k, v, step.positions, k_pos, weight)
     for b, n in enumerate([20, 13]):
-        assert max_diff(out[b, :, :n], want_out[b, :, :n]) <= 1e-5
-    assert max_diff(mass, want_mass) <= 1e-6 and torch.equal(seen, want_seen)
+        assert max_diff(out[b, :, :n], want_out[b, :, :n]) <= atol("cache")
+    assert max_diff(mass, want_mass) <= atol("same") and torch.equal(seen, want_seen)
 
 
 @pytest.mark.parametrize("name,options", [("sink", dict(sinks=2)), ("h2o", dict(recent=2)), ("snapkv", dict(window=2)),
@@ -406,7 +407,7 @@ def test_policies_run_with_autograd_enabled(llama, name, options):
     assert got.requires_grad
     with torch.inference_mode():
         want = run()
-    assert max_diff(got.detach(), want) <= 1e-5
+    assert max_diff(got.detach(), want) <= atol("cache")
 
 
 @pytest.mark.parametrize("storage", ["full", "int8"])

@@ -7,23 +7,24 @@ import torch
 
 import kvcache
 from policy_util import kept
+from conftest import DEVICE
 
 
 def test_a_prompt_keeps_the_top_draws_of_the_seeded_generator(llama):
     T, C = 30, 10
-    ids = torch.arange(3, 3 + T)[None]
+    ids = torch.arange(3, 3 + T, device=DEVICE)[None]
     with torch.inference_mode():
         cache = kvcache.make_cache(llama, "random", cache_length=C, score_seed=7)
         llama(ids, cache)
     Hkv = cache.layers[0].storage.k.shape[1]
-    draws = torch.rand(Hkv, T, generator=torch.Generator().manual_seed(7))
+    draws = torch.rand(Hkv, T, generator=torch.Generator().manual_seed(7)).to(DEVICE)
     expected = [sorted(draws[h].topk(C).indices.tolist()) for h in range(Hkv)]
     for layer in cache.layers:  # every layer draws the same sequence
         assert kept(layer, 0) == expected
 
 
 def test_the_seed_changes_what_is_kept(llama):
-    ids = torch.arange(3, 33)[None]
+    ids = torch.arange(3, 33, device=DEVICE)[None]
     held = []
     for seed in (0, 1):
         with torch.inference_mode():

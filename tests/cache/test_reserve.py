@@ -14,6 +14,7 @@ import torch
 import kvcache
 from kvcache import attention
 from policy_util import EXACT_ATOL, feed, ids_for, kept, max_diff
+from conftest import DEVICE
 
 ATOL = EXACT_ATOL[torch.float32]
 VOCAB = 128  # the conftest llama
@@ -51,7 +52,7 @@ def test_compress_once_then_grow(llama, policy, options):
                 new = list(range(start, start + 5))
                 assert kept(layer, r) == [sorted(h + new) for h in before[i][r]]
         # One token more: the cache overflows and keeps kept_n again.
-        llama(torch.tensor([[int(rows[0][25])], [int(rows[1][24])]]), grow)
+        llama(torch.tensor([[int(rows[0][25])], [int(rows[1][24])]], device=DEVICE), grow)
         for layer in grow.layers:
             for r in range(2):
                 assert [len(h) for h in kept(layer, r)] == [kept_n] * len(kept(layer, r))

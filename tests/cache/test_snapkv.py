@@ -10,6 +10,7 @@ import torch
 import kvcache
 from kvcache.cache.policies.snapkv import SnapKVCache, SnapKVOptions
 from policy_util import EXACT_ATOL, LayerHarness, build_tiny, ids_for, kept, max_diff
+from conftest import DEVICE
 
 ATOL = EXACT_ATOL[torch.float32]
 
@@ -43,13 +44,13 @@ def _pooled_votes(harness, q, cands, window_queries, kernel):
     avg-pooled over neighbours in position order with zero padding."""
     pooled = []
     for h in range(harness.Hkv):
-        votes = torch.zeros(len(cands))
+        votes = torch.zeros(len(cands), device=DEVICE)
         for t, p in window_queries:
             visible = [c for c in cands if c <= p]
             for g in range(h * harness.G, (h + 1) * harness.G):
                 w, _ = harness.attention(h, q[g, t], visible)
                 votes[: len(visible)] += w  # cands are sorted, so the visible ones come first
-        padded = torch.cat([torch.zeros(kernel // 2), votes, torch.zeros(kernel // 2)])
+        padded = torch.cat([torch.zeros(kernel // 2, device=DEVICE), votes, torch.zeros(kernel // 2, device=DEVICE)])
         pooled.append({c: float(padded[i : i + kernel].sum()) / kernel for i, c in enumerate(cands)})
     return pooled
 

@@ -12,6 +12,7 @@ import torch
 
 import kvcache
 from policy_util import feed
+from conftest import DEVICE
 
 C = 12
 # Ragged prefill, then decode steps past the budget (sink's renumbered decode keeps its sinks
@@ -30,7 +31,7 @@ def _cache(model, name: str, storage: str, batch_size: int = 2, cache_length: in
 
 def _rows(n_rows: int, total: int, seed: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 128, (total,), generator=g) for _ in range(n_rows)]
+    return [torch.randint(3, 128, (total,), generator=g).to(DEVICE) for _ in range(n_rows)]
 
 
 def _continue(model, cache, rows, done: list[int]):
@@ -43,7 +44,7 @@ def _continue(model, cache, rows, done: list[int]):
     done = [0] * len(rest)
     for n in AFTER:
         T = max(n)
-        chunk = torch.randint(0, 128, (len(rest), T), generator=g)
+        chunk = torch.randint(0, 128, (len(rest), T), generator=g).to(DEVICE)
         for b in range(len(rest)):
             chunk[b, : n[b]] = rest[b][done[b] : done[b] + n[b]]
         with torch.inference_mode():
@@ -169,7 +170,7 @@ def test_bad_rows_and_objects_are_rejected(llama):
     with pytest.raises(ValueError, match="holds 1 rows"):
         cache.restore(snap)
     with pytest.raises(ValueError, match="expected a Snapshot"):
-        cache.restore({"lengths": torch.zeros(2, dtype=torch.long)})
+        cache.restore({"lengths": torch.zeros(2, dtype=torch.long, device=DEVICE)})
 
 
 def test_headwise_budgets_snapshot(llama):

@@ -35,6 +35,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 import kvcache
 from kvcache.errors import CapacityError
 from policy_util import EXACT_ATOL, build_tiny, check_storage, max_diff
+from conftest import DEVICE
 
 VOCAB = 64
 ROWS = 2
@@ -105,7 +106,7 @@ def make_machine(model, policy: str, storage: str):
 
         # ----- feeding ------------------------------------------------------------------------
         def _ids(self, n: list[int], T: int) -> torch.Tensor:
-            return torch.randint(3, VOCAB, (ROWS, T), generator=self.gen)
+            return torch.randint(3, VOCAB, (ROWS, T), generator=self.gen).to(DEVICE)
 
         def _feed(self, ids: torch.Tensor, n: list[int] | None) -> torch.Tensor:
             """Run ``ids`` through every cache, check the references, extend the histories;
@@ -123,7 +124,7 @@ def make_machine(model, policy: str, storage: str):
                     if not n[b]:
                         continue
                     L = len(self.history[b])
-                    ref = model(torch.tensor([self.history[b]]))[0, L - n[b]:]
+                    ref = model(torch.tensor([self.history[b]], device=DEVICE))[0, L - n[b]:]
                     assert max_diff(out[id(self.dense)][b, : n[b]], ref) <= EXACT_ATOL[torch.float32], (
                         f"dense row {b} differs from the plain forward")
                     if self.covering is not None:
@@ -248,7 +249,7 @@ def make_machine(model, policy: str, storage: str):
             elif kind == "n_neg":
                 n = [-1, 2]
             elif kind == "n_float":
-                n = torch.tensor([1.0, 2.0])
+                n = torch.tensor([1.0, 2.0], device=DEVICE)
 
             def call():
                 with torch.inference_mode():
