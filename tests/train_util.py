@@ -89,7 +89,7 @@ class MaskedLayer(LayerCache):
         rules = []
         for head in policy_heads(self.layer):  # one rule for all heads, or one per K/V head
             rule = (t[None, :] <= t[:, None])  # causal
-            window, sinks, limit = head.window(), head.sinks(), head.spec.window
+            window, sinks, limit = head.lookback(), head.sinks(), head.spec.sliding_window
             if window is not None:
                 rule &= (t[None, :] > t[:, None] - window) | (t[None, :] < sinks)
             if limit is not None:
@@ -109,7 +109,7 @@ class MaskedLayer(LayerCache):
             raise NotImplementedError("the reference renumbers sinks by one cache length: not under head budgets")
         if renumbered:
             C, S = self.layer.spec.cache_length, self.layer.sinks()
-            shift = (torch.arange(T) - (C - 1)).clamp(min=0)[None]  # (1, T)
+            shift = (torch.arange(T, device=q.device) - (C - 1)).clamp(min=0)[None]  # (1, T)
             cos, sin = rope_angles(self.layer.spec.inv_freq, -shift, q.dtype)
             qs = apply_rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
             sink_scores = (qs.view(B, Hkv, G, T, D) @ k[:, :, :S].unsqueeze(2).transpose(-1, -2)).float() * D**-0.5

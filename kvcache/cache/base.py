@@ -48,7 +48,7 @@ class CacheSpec:
     dtype: torch.dtype
     device: torch.device
     # The model's own sliding-window attention (Mistral), applied on top of any policy.
-    window: int | None = None
+    sliding_window: int | None = None
     # (D // 2,) rotary frequencies, for policies that renumber positions.
     inv_freq: torch.Tensor | None = None
     # How keys and values are kept: "full" (the model's dtype), "int8" or "int4" (see storage.py).
@@ -79,7 +79,7 @@ class CacheSpec:
         out_proj = None if layer is None or layers is None else layers[layer].self_attn.o_proj.weight
         return cls(batch_size=batch_size, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                    cache_length=cache_length, dtype=weight.dtype, device=weight.device,
-                   window=cfg.sliding_window, inv_freq=model.inv_freq, storage=storage, reserve=reserve,
+                   sliding_window=cfg.sliding_window, inv_freq=model.inv_freq, storage=storage, reserve=reserve,
                    block=block, out_proj=out_proj)
 
 
@@ -250,7 +250,7 @@ class LayerCache(ABC):
             "policy": self.name, "options": options, "cache_length": spec.cache_length,
             "num_kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
             "dtype": str(spec.dtype).removeprefix("torch."), "storage": spec.storage,
-            "reserve": spec.reserve, "window": spec.window,
+            "reserve": spec.reserve, "sliding_window": spec.sliding_window,
         }
 
     def empty_like(self, batch_size: int) -> LayerCache:

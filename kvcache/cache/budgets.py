@@ -46,21 +46,21 @@ def layer_budgets(cache_length: int, num_layers: int, allocation: str | Sequence
 
 class _VoteRecorder(DenseCache):
     """A dense layer cache that also records, for a prompt fed in one call, the attention its
-    last ``window`` queries give every key, pooled over neighbouring positions (SnapKV's votes)."""
+    last ``observed`` queries give every key, pooled over neighbouring positions (SnapKV's votes)."""
 
-    def __init__(self, spec: CacheSpec, window: int, kernel: int) -> None:
+    def __init__(self, spec: CacheSpec, observed: int, kernel: int) -> None:
         super().__init__(spec)
-        self.window, self.kernel = window, kernel
+        self.observed, self.kernel = observed, kernel
         self.votes: torch.Tensor | None = None  # (B, Hkv, T) after the call
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
         out = super().attend(q, k, v, step)
         T = step.num_tokens
-        listened = slice(T - self.window, T)
+        listened = slice(T - self.observed, T)
         k_pos = step.positions[:, None, :]
         weight = torch.ones_like(step.positions[:, listened], dtype=torch.float32)
         _, mass, _ = attention.masked_with_weights(
-            q[:, :, listened], k, v, step.positions[:, listened], k_pos, weight, limit=self.spec.window)
+            q[:, :, listened], k, v, step.positions[:, listened], k_pos, weight, limit=self.spec.sliding_window)
         self.votes = pool_votes(mass, k_pos.expand_as(mass), self.kernel, "avg")
         return out
 

@@ -5,7 +5,7 @@ A policy is a subclass in its own file under policies/ (the registry finds it th
     ``priority(c)``       (B, Hp, N) float per candidate; the top ``cache_length`` stay;
     ``observe(c)``        what to remember from this call (optional): per-slot statistics from
                           the attention the cache computed anyway, or anything else in ``c``;
-    ``window``/``sinks``  which candidates a query may see beyond causality (optional).
+    ``lookback``/``sinks``  which candidates a query may see beyond causality (optional).
 Both hooks receive one ``Candidates`` object (candidates.py): keys, values, positions and
 statistics of the N tokens, and the call's queries. Hp is 1 when all K/V heads of a row keep the
 same tokens (``per_head = False``) and Hkv when each head keeps its own. Empty candidates
@@ -89,7 +89,7 @@ class EvictingCache(LayerCache):
         self._observes = type(self).observe is not EvictingCache.observe
 
     # ----- what a policy defines -------------------------------------------------------------
-    def window(self) -> int | None:
+    def lookback(self) -> int | None:
         """Furthest a query looks back (None: no limit besides the model's own window)."""
         return None
 
@@ -97,10 +97,10 @@ class EvictingCache(LayerCache):
         """Positions below this stay visible whatever ``window`` says."""
         return 0
 
-    def _window(self) -> int | None:
+    def _lookback(self) -> int | None:
         """The policy's ``window`` as attention applies it: with ``block > 1`` a query sees exactly
         the kept blocks and its own chunk (blocks.py), so no window."""
-        return None if self.spec.block > 1 else self.window()
+        return None if self.spec.block > 1 else self.lookback()
 
     def query_weight(self, step: Step) -> torch.Tensor:
         """(B, T) weight of each query in the attention mass that ``observe`` receives."""
@@ -120,7 +120,7 @@ class EvictingCache(LayerCache):
     # ----- shared machinery ------------------------------------------------------------------
     def _attend(self, q, k, v, q_pos, k_pos, step: Step, q_sink=None, observe: bool = True):
         """Attention over candidates; returns out and, if the policy observes, mass and seen."""
-        rule = dict(window=self._window(), sinks=self.sinks(), limit=self.spec.window)
+        rule = dict(window=self._lookback(), sinks=self.sinks(), limit=self.spec.sliding_window)
         # A prompt alone in an empty cache (the candidates are the chunk itself) takes renumbered
         # sinks on the fused path too (see ``_outputs``).
         alone = step.fresh and step.uniform and k.shape[2] == q.shape[2]
@@ -185,7 +185,7 @@ class EvictingCache(LayerCache):
             # numbers as reading the codes, since a token's bits do not depend on its slot.
             ks, vs = ks.decoded(), vs.decoded()
         observe = self.needs_attention and self.observe_every_step
-        if step.decode and self._window() is None and self.spec.window is None:
+        if step.decode and self._lookback() is None and self.spec.sliding_window is None:
             # Every held slot is in the past: only the empty ones of shorter rows are hidden, and
             # with equal rows none (then, without weights, this is the dense decode call).
             visible = None if even else pos >= 0
@@ -218,11 +218,11 @@ class EvictingCache(LayerCache):
         ks, vs, pos = store.view(C + 1)
         # Once every row has seen C tokens no slot is empty (a captured step does not know).
         full = step.min_start >= C
-        if self.window() is None and self.spec.window is None:
+        if self.lookback() is None and self.spec.sliding_window is None:
             # Only empty slots are hidden.
             visible = None if full else pos >= 0
         else:
-            visible = attention.visibility(step.positions, pos, self.window(), self.sinks(), self.spec.window)[:, :, 0]
+            visible = attention.visibility(step.positions, pos, self.lookback(), self.sinks(), self.spec.sliding_window)[:, :, 0]
         out, mass = attention.decode(q, ks, vs, visible, want_mass=self.needs_attention)
         c = Candidates(ks, vs, pos, self.stats, q, step)
         self._observe(c, mass, 1.0 if visible is None else visible.float())

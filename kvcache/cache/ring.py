@@ -77,10 +77,10 @@ class RingCache(EvictingCache):
             step.shared[key] = self.slot(step.positions)
         self.storage.write(step.shared[key], k, v, step.positions)
         ks, vs, pos = self.storage.view(min(C, step.span_end) if step.known else C)
-        if step.min_start + 1 >= C and self.spec.window is None:
+        if step.min_start + 1 >= C and self.spec.sliding_window is None:
             visible = None
         else:
-            visible = attention.visibility(step.positions, pos, self.window(), S, self.spec.window)[:, :, 0]
+            visible = attention.visibility(step.positions, pos, self.lookback(), S, self.spec.sliding_window)[:, :, 0]
         out, _ = attention.decode(q, ks, vs, visible, q_sink=self.sink_queries(q, step), sink_slots=S)
         return out
 

@@ -66,7 +66,7 @@ def attention(
     """
     layer_idx = module.layer_idx
     cache = take_pending(layer_idx, key)
-    _check_supported(module, dropout, kwargs, cache.kv.layers[layer_idx].spec.window)
+    _check_supported(module, dropout, kwargs, cache.kv.layers[layer_idx].spec.sliding_window)
     D = query.shape[-1]
     if scaling is not None and scaling != D**-0.5:
         query = query * (scaling * math.sqrt(D))

@@ -31,7 +31,7 @@ class HFLayer(CacheLayerMixin):
         self.cache = cache
         self.index = index
         self.layer = layer
-        self.is_sliding = layer.spec.window is not None
+        self.is_sliding = layer.spec.sliding_window is not None
         # The buffers are allocated with the cache: there is nothing to initialise lazily.
         self.is_initialized = True
 

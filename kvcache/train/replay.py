@@ -117,8 +117,8 @@ def held_positions(layer: LayerCache, start: int, batch: int) -> torch.Tensor:
 def rules(layer: LayerCache) -> dict:
     """The visibility rules ``layer`` attends by (see ``attention.visibility``)."""
     if isinstance(layer, EvictingCache):
-        return dict(window=layer.window(), sinks=layer.sinks(), limit=layer.spec.window)
-    return dict(window=None, sinks=0, limit=layer.spec.window)
+        return dict(window=layer.lookback(), sinks=layer.sinks(), limit=layer.spec.sliding_window)
+    return dict(window=None, sinks=0, limit=layer.spec.sliding_window)
 
 
 class Recorder(LayerCache):

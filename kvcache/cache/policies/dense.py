@@ -48,16 +48,16 @@ class DenseCache(LayerCache):
             # Padding went to the scratch slot: it holds no token (as after an evicting cache's write).
             store.pos[:, :, self.spec.cache_length] = -1
         if step.fresh and readback:
-            return attention.causal(q, k, v, window=self.spec.window)
+            return attention.causal(q, k, v, window=self.spec.sliding_window)
         if T > 1 and store.packed and not store.exact_roundtrip:
-            return store.attend_chunk(q, step.positions, step.n_tokens, self.spec.window)
+            return store.attend_chunk(q, step.positions, step.n_tokens, self.spec.sliding_window)
         span = step.span_end
         ks, vs, pos = store.view(span)
         if readback and store.packed:
             ks, vs = ks.decoded(), vs.decoded()
         # A one-token step over a uniformly filled cache sees every slot, unless a model window cuts it.
-        all_visible = step.uniform and T == 1 and (self.spec.window is None or span <= self.spec.window)
-        return attention.masked(q, ks, vs, step.positions, pos, window=self.spec.window, all_visible=all_visible)
+        all_visible = step.uniform and T == 1 and (self.spec.sliding_window is None or span <= self.spec.sliding_window)
+        return attention.masked(q, ks, vs, step.positions, pos, window=self.spec.sliding_window, all_visible=all_visible)
 
     def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
         # Position p lives in slot p. A captured step attends every slot, the empty and future
@@ -68,10 +68,10 @@ class DenseCache(LayerCache):
         self.storage.write(step.positions, k, v, step.positions)
         span = step.span_end if step.known else C
         ks, vs, pos = self.storage.view(span)
-        if step.uniform and (self.spec.window is None or span <= self.spec.window):
+        if step.uniform and (self.spec.sliding_window is None or span <= self.spec.sliding_window):
             visible = None
         else:
-            visible = attention.visibility(step.positions, pos, None, 0, self.spec.window)[:, :, 0]  # (B, 1, S)
+            visible = attention.visibility(step.positions, pos, None, 0, self.spec.sliding_window)[:, :, 0]  # (B, 1, S)
         return attention.decode(q, ks, vs, visible)[0]
 
     # ----- slots as prefixes (the prefix store): slot p holds position p ---------------------

@@ -62,7 +62,7 @@ class SinkCache(RingCache):
             raise ValueError("renumbered sink positions need the model's rotary frequencies (spec.inv_freq)")
         super().__init__(spec, options)
 
-    def window(self) -> int | None:
+    def lookback(self) -> int | None:
         return self.spec.cache_length - self.options.sinks
 
     def sinks(self) -> int:

@@ -13,5 +13,5 @@ class WindowCache(RingCache):
     name = "window"
     description = "the most recent cache_length tokens (sliding window)"
 
-    def window(self) -> int | None:
+    def lookback(self) -> int | None:
         return self.spec.cache_length
