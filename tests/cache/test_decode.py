@@ -1,0 +1,65 @@
+"""The one decode path: a decode step described by device tensors alone (the captured step's
+``Step.captured_decode``, run here without compiling it) computes what the eager step computes,
+for every policy and storage. The eager step differs only by the host facts it carries, which
+narrow the slots attended; the kept tokens must not depend on them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvcache
+from conftest import atol, max_diff, random_ids
+from kvcache.cache import Step
+from kvcache.cache.registry import budget_options
+
+PROMPTS = [10, 7]  # a ragged batch: rows at different positions, the second row not yet full
+STEPS = 10
+CASES = [(p, s) for p in kvcache.policies() for s in ("full", "int8", "int4", "int2")]
+
+
+def _kept(cache) -> list:
+    """Sorted positions each leaf layer cache holds in slots [0, C), per row and slot group."""
+    out = []
+    for layer in cache.layers:
+        for leaf in getattr(layer, "heads", [layer]):
+            pos = leaf.storage.pos[:, :, : leaf.spec.cache_length]
+            out.append([[sorted(p[p >= 0].tolist()) for p in row] for row in pos])
+    return out
+
+
+def _decode(model, name: str, options: dict, known: bool):
+    """Prefill the ragged batch, then STEPS decode steps, eager (``known``: the step of
+    ``KVCache.begin``) or with no host facts: logits (STEPS, B, vocab) and kept positions."""
+    C = 24 if name.startswith("dense") else 9
+    ids = random_ids(max(PROMPTS) + STEPS, batch=len(PROMPTS), seed=11)
+    cache = kvcache.make_cache(model, name, cache_length=C, batch_size=len(PROMPTS), **options)
+    logits, kept = [], []
+    with torch.inference_mode():
+        model(ids[:, : max(PROMPTS)], cache, n_tokens=PROMPTS)
+        for i in range(STEPS):
+            tokens = ids[:, max(PROMPTS) + i :][:, :1]
+            if known:
+                logits.append(model(tokens, cache)[:, -1])
+            else:
+                positions = cache.lengths[:, None].to(tokens.device)
+                logits.append(model.run(tokens, positions, cache, Step.captured_decode(positions))[:, -1])
+                cache.advance_decode()
+            kept.append(_kept(cache))
+    return torch.stack(logits), kept
+
+
+@pytest.mark.parametrize("policy,storage", CASES, ids=[f"{p}:{s}" for p, s in CASES])
+def test_a_step_without_host_facts_computes_the_eager_step(llama, policy, storage):
+    name = policy if storage == "full" else f"{policy}:{storage}"
+    options = {} if policy == "dense" else budget_options(policy, 9)
+    want, want_kept = _decode(llama, name, options, known=True)
+    got, got_kept = _decode(llama, name, options, known=False)
+    assert got_kept == want_kept
+    if storage == "full":
+        assert max_diff(got, want) <= atol("cache")
+    else:
+        # Codes are computed from keys that may differ in the last bit between the two steps
+        # (different shapes, different reduction orders): bounded by the storage's own error.
+        full, _ = _decode(llama, policy, options, known=True)
+        assert max_diff(got, want) <= max(atol("cache"), max_diff(want, full))
