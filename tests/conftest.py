@@ -93,8 +93,8 @@ def device() -> torch.device:
 # Largest max-abs difference accepted, per dtype and kind of comparison:
 #   same   the same computation arranged differently (a row alone or in a batch, blocked or whole,
 #          the last position or all of them);
-#   cache  a cached (chunked) run against the plain forward of kvcache itself: only the matmul
-#          shapes differ, so this is tighter than hf;
+#   cache  a cached (chunked, blocked) computation against kvcache's own plain one (the forward,
+#          an attention reference): only the matmul shapes differ, so this is tighter than hf;
 #   hf     kvcache against transformers (same weights, same input): the two implementations order
 #          their floating-point operations differently.
 TOLERANCES: dict[torch.dtype, dict[str, float]] = {

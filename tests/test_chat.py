@@ -10,6 +10,7 @@ import kvcache
 from kvcache.checkpoint import generation_config
 from kvcache.cli import main
 from text_checkpoint import build_text_checkpoint
+from conftest import DEVICE
 
 transformers = pytest.importorskip("transformers")
 
@@ -69,7 +70,7 @@ def test_chat_errors(chat_dir, tmp_path):
 
 def test_cli_chat_and_system(chat_dir, capsys):
     tokenizer = kvcache.load_tokenizer(chat_dir)
-    model = kvcache.load(chat_dir)
+    model = kvcache.load(chat_dir, device=DEVICE)
     ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
     expected = kvcache.generate(model, ids, max_new_tokens=5, stop_tokens=[tokenizer.eos_token_id])
     args = ["generate", MESSAGES[1]["content"], "--model", str(chat_dir), "--max-new-tokens", "5", "--json"]

@@ -12,7 +12,7 @@ import torch
 
 import kvcache
 from kvcache.compile import CompiledDecode
-from conftest import max_diff, random_ids
+from conftest import DEVICE, max_diff, random_ids
 
 VOCAB = 128  # the conftest llama
 # Per dtype: the largest max-abs logit difference allowed between the captured and eager steps.
@@ -210,7 +210,7 @@ def test_bad_tokens_are_rejected_before_the_step(tiny):
         tiny(ids_for(10), cache)
         before = cache.layers[0].storage.pos.clone()
         with pytest.raises(ValueError, match="outside"):
-            decode(torch.tensor([[VOCAB + 5]]))
+            decode(torch.tensor([[VOCAB + 5]], device=DEVICE))
         with pytest.raises(ValueError, match="shape"):
             decode(ids_for(2))
     assert cache.lengths.tolist() == [10] and torch.equal(cache.layers[0].storage.pos, before)

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from kvcache.cli import main
+from conftest import DEVICE
 from kvcache.drift import COMPARISONS, Setup, report, table
 
 SETUP = Setup(tokens=64, chunk=16, prefix=20, steps=4)
@@ -16,7 +17,7 @@ SETUP = Setup(tokens=64, chunk=16, prefix=20, steps=4)
 @pytest.fixture(scope="module")
 def data(llama_ckpt):
     pytest.importorskip("transformers")
-    return report(llama_ckpt.path, ["float32"], setup=SETUP)
+    return report(llama_ckpt.path, ["float32"], device=DEVICE, setup=SETUP)
 
 
 def test_every_comparison_for_both_engines(data):

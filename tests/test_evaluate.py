@@ -14,6 +14,7 @@ import kvcache
 from kvcache.cli import main
 from kvcache.evaluate import Grid, evaluate, markdown, streaming
 from kvcache.tasks import ANSWER_WEIGHT, TaskMaker, read_texts
+from conftest import DEVICE
 
 transformers = pytest.importorskip("transformers")
 
@@ -49,7 +50,7 @@ def setup(tmp_path_factory):
     )
     transformers.LlamaForCausalLM(config).save_pretrained(model_dir)
     tokenizer = kvcache.load_tokenizer(model_dir)
-    return model_dir, texts, kvcache.load(model_dir), tokenizer, read_texts(texts, tokenizer)
+    return model_dir, texts, kvcache.load(model_dir, device=DEVICE), tokenizer, read_texts(texts, tokenizer)
 
 
 def test_passkey_prompt_hides_the_key_at_the_requested_depth(setup):

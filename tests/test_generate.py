@@ -11,7 +11,7 @@ import torch
 import kvcache
 from kvcache.errors import GenerationError
 from kvcache.generate import penalize_repetition, sample
-from conftest import VOCAB, random_ids
+from conftest import DEVICE, VOCAB, random_ids
 
 PROMPT_LENGTHS = (1, 6, 11, 4)
 
@@ -25,7 +25,7 @@ def _greedy_reference(model, prompt, n):
     ids = list(prompt)
     with torch.inference_mode():
         for _ in range(n):
-            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+            ids.append(int(model(torch.tensor([ids], device=DEVICE))[0, -1].argmax()))
     return ids[len(prompt):]
 
 
@@ -69,9 +69,9 @@ def test_on_prefill_reports_progress(llama):
 def test_prompt_forms(llama):
     prompts = _prompts(seed=4, lengths=(5, 5))
     as_lists = kvcache.generate(llama, prompts, max_new_tokens=4, stop_tokens=())
-    as_tensor = kvcache.generate(llama, torch.tensor(prompts), max_new_tokens=4, stop_tokens=())
+    as_tensor = kvcache.generate(llama, torch.tensor(prompts, device=DEVICE), max_new_tokens=4, stop_tokens=())
     single = kvcache.generate(llama, prompts[0], max_new_tokens=4, stop_tokens=())
-    single_tensor = kvcache.generate(llama, torch.tensor(prompts[1]), max_new_tokens=4, stop_tokens=())
+    single_tensor = kvcache.generate(llama, torch.tensor(prompts[1], device=DEVICE), max_new_tokens=4, stop_tokens=())
     assert as_tensor == as_lists
     assert single == as_lists[0] and single_tensor == as_lists[1]
     assert all(isinstance(t, int) for t in single)
@@ -130,7 +130,7 @@ def test_default_stop_tokens_come_from_config(llama_ckpt, tmp_path, llama):
         cfg = json.loads((path / "config.json").read_text())
         cfg["eos_token_id"] = eos
         (path / "config.json").write_text(json.dumps(cfg))
-        model = kvcache.load(path)
+        model = kvcache.load(path, device=DEVICE)
         out = kvcache.generate(model, prompts, max_new_tokens=12)
         assert out[0] == free[0][: k + 1]
         assert out[1] == free[1]
@@ -174,14 +174,14 @@ def test_top_k_1_and_tiny_top_p_are_greedy(llama):
 
 
 def test_sample_top_k_keeps_the_k_best():
-    logits = torch.tensor([[0.0, 3.0, 2.0, 1.0, -1.0, 2.5]]).repeat(500, 1)
+    logits = torch.tensor([[0.0, 3.0, 2.0, 1.0, -1.0, 2.5]], device=DEVICE).repeat(500, 1)
     g = torch.Generator().manual_seed(0)
     drawn = sample(logits, 1.0, 3, None, g)
     assert set(drawn.tolist()) == {1, 2, 5}
 
 
 def test_sample_top_p_keeps_the_nucleus():
-    probs = torch.tensor([0.1, 0.4, 0.2, 0.3])
+    probs = torch.tensor([0.1, 0.4, 0.2, 0.3], device=DEVICE)
     logits = probs.log().repeat(2000, 1)
     g = torch.Generator().manual_seed(0)
     # 0.4 alone is below 0.5, so 0.3 joins; 0.4 + 0.3 covers 0.5, so nothing else does.
@@ -191,12 +191,12 @@ def test_sample_top_p_keeps_the_nucleus():
 
 
 def test_sample_temperature_zero_is_argmax():
-    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1))
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     assert torch.equal(sample(logits, 0.0, 5, 0.9, None), logits.argmax(-1))
 
 
 def test_sample_temperature_sharpens():
-    logits = torch.tensor([[0.0, 1.0]]).repeat(4000, 1)
+    logits = torch.tensor([[0.0, 1.0]], device=DEVICE).repeat(4000, 1)
     g = torch.Generator().manual_seed(0)
     hot = sample(logits, 4.0, None, None, g).float().mean()
     cold = sample(logits, 0.25, None, None, g).float().mean()
@@ -227,9 +227,9 @@ def test_sample_temperature_sharpens():
         ([5, 6.5], {}, "int token ids, got 6.5"),
         ([[5, 6], [7.0]], {}, "prompt 1 must hold int token ids"),
         ([5, True], {}, "got True"),
-        (torch.tensor([5.0, 6.0]), {}, "integer token ids"),
-        (torch.tensor([True, False]), {}, "integer token ids"),
-        (torch.ones(1, 2, 2, dtype=torch.long), {}, "1-D"),
+        (torch.tensor([5.0, 6.0], device=DEVICE), {}, "integer token ids"),
+        (torch.tensor([True, False], device=DEVICE), {}, "integer token ids"),
+        (torch.ones(1, 2, 2, dtype=torch.long, device=DEVICE), {}, "1-D"),
         ([5, 6], {"max_new_tokens": 1.5}, "max_new_tokens must be an int"),
         ([5, 6], {"max_new_tokens": True}, "max_new_tokens must be an int"),
         ([5, 6], {"cache_length": 0}, "cache_length"),
@@ -311,7 +311,7 @@ def test_positions_past_training_warn_up_front(llama_ckpt, tmp_path):
     cfg = json.loads((path / "config.json").read_text())
     cfg["max_position_embeddings"] = 16
     (path / "config.json").write_text(json.dumps(cfg))
-    model = kvcache.load(path)
+    model = kvcache.load(path, device=DEVICE)
     kvcache.generate(model, random_ids(10)[0].tolist(), max_new_tokens=7, stop_tokens=())  # 16 positions: fine
     warned_at_prefill = []
     with pytest.warns(UserWarning, match="max_position_embeddings=16") as record:
@@ -325,8 +325,8 @@ def test_positions_past_training_warn_up_front(llama_ckpt, tmp_path):
 
 
 def test_penalize_repetition_is_ctrl():
-    logits = torch.tensor([[2.0, -1.0, 3.0, -4.0]])
-    seen = torch.tensor([[True, True, False, False]])
+    logits = torch.tensor([[2.0, -1.0, 3.0, -4.0]], device=DEVICE)
+    seen = torch.tensor([[True, True, False, False]], device=DEVICE)
     assert penalize_repetition(logits, seen, 2.0).tolist() == [[1.0, -2.0, 3.0, -4.0]]
 
 
@@ -335,8 +335,8 @@ def _penalized_greedy_reference(model, prompt, n, penalty):
     ids = list(prompt)
     with torch.inference_mode():
         for _ in range(n):
-            logits = model(torch.tensor([ids]))[0, -1]
-            seen = torch.tensor(sorted(set(ids)))
+            logits = model(torch.tensor([ids], device=DEVICE))[0, -1]
+            seen = torch.tensor(sorted(set(ids)), device=DEVICE)
             picked = logits[seen]
             logits[seen] = torch.where(picked > 0, picked / penalty, picked * penalty)
             ids.append(int(logits.argmax()))

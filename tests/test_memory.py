@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 T = 16384
@@ -57,6 +58,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.cpu_only("measures the resident set of a CPU process")
 def test_chunked_long_prefill_memory_is_bounded(checkpoint_factory):
     ckpt = checkpoint_factory("llama_long")
     proc = subprocess.run(

@@ -12,7 +12,7 @@ import torch
 
 import kvcache
 from kvcache.rope import rope_angles
-from conftest import FAMILIES, HF_ATOL, HIDDEN, TIED, VOCAB, max_diff, random_ids
+from conftest import DEVICE, FAMILIES, HF_ATOL, HIDDEN, TIED, VOCAB, max_diff, random_ids, atol
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -59,7 +59,7 @@ def _without_window(src, dst):
     cfg = json.loads((dst / "config.json").read_text())
     cfg["sliding_window"] = None
     (dst / "config.json").write_text(json.dumps(cfg))
-    return kvcache.load(dst)
+    return kvcache.load(dst, device=DEVICE)
 
 
 def test_model_window_changes_late_positions_only(checkpoint_factory, model_factory, tmp_path):
@@ -72,7 +72,7 @@ def test_model_window_changes_late_positions_only(checkpoint_factory, model_fact
     ids = random_ids(24, seed=3)
     with torch.no_grad():
         a, b = windowed(ids), full(ids)
-    assert max_diff(a[:, :8], b[:, :8]) <= 1e-5
+    assert max_diff(a[:, :8], b[:, :8]) <= atol("cache")
     assert max_diff(a[:, 8:], b[:, 8:]) > 1e-2
 
 
@@ -109,7 +109,7 @@ def test_layer_hook_sees_the_block_inputs(clean_hook, llama_ckpt):
         model(ids)
         ref = llama_ckpt.hf(ids, output_hidden_states=True).hidden_states
     for i in range(model.config.num_layers):
-        assert max_diff(seen[i], ref[i]) <= 1e-5
+        assert max_diff(seen[i], ref[i]) <= atol("cache")
 
 
 def test_layer_hook_returning_none_or_input_changes_nothing(clean_hook):
@@ -135,7 +135,7 @@ def test_layer_hook_return_replaces_the_input(clean_hook):
         assert max_diff(zeroed, ref) > 0.1
         # ... to exactly what the last block and the head make of a zero input, whatever the tokens.
         other = model(random_ids(6, batch=2, seed=9))
-        assert max_diff(zeroed, other) <= 1e-6
+        assert max_diff(zeroed, other) <= atol("same")
 
         # Replacing layer 1's input with layer 0's input skips layer 0.
         kept = {}
@@ -149,11 +149,11 @@ def test_layer_hook_return_replaces_the_input(clean_hook):
         skipped = model(ids)
         model.layer_hook = None
         x = model.embed_tokens(ids)
-        cos, sin = rope_angles(model.inv_freq, torch.arange(6)[None], torch.float32)
+        cos, sin = rope_angles(model.inv_freq, torch.arange(6, device=DEVICE)[None], torch.float32)
         for block in model.layers[1:]:
             x = block(x, cos, sin, None, None)
         expected = model.lm_head(model.norm(x))
-        assert max_diff(skipped, expected) <= 1e-5
+        assert max_diff(skipped, expected) <= atol("cache")
 
 
 def test_skip_lm_head_returns_final_hidden(llama, llama_ckpt):
@@ -163,8 +163,8 @@ def test_skip_lm_head_returns_final_hidden(llama, llama_ckpt):
         logits = llama(ids)
         ref = llama_ckpt.hf.model(ids).last_hidden_state
     assert hidden.shape == (2, 7, llama.config.hidden_size)
-    assert torch.allclose(llama.lm_head(hidden), logits, atol=1e-6)
-    assert max_diff(hidden, ref) <= 1e-4
+    assert torch.allclose(llama.lm_head(hidden), logits, atol=atol("same"))
+    assert max_diff(hidden, ref) <= atol("hf")
 
 
 def test_last_only_without_cache(llama):
@@ -175,7 +175,7 @@ def test_last_only_without_cache(llama):
         hidden = llama(ids, last_only=True, skip_lm_head=True)
     assert last.shape == (2, 1, VOCAB)
     assert hidden.shape == (2, 1, HIDDEN)
-    assert torch.allclose(last, full[:, -1:], atol=1e-6)
+    assert torch.allclose(last, full[:, -1:], atol=atol("same"))
 
 
 def test_last_only_with_ragged_cache(llama):
@@ -187,7 +187,7 @@ def test_last_only_with_ragged_cache(llama):
         assert last.shape == (3, 1, VOCAB)
         for b, k in enumerate(n):
             alone = llama(ids[b : b + 1, :k])[:, -1]
-            assert max_diff(last[b], alone) <= 1e-5
+            assert max_diff(last[b], alone) <= atol("cache")
 
 
 def test_int32_input_ids_accepted(llama):
@@ -202,11 +202,11 @@ def test_int32_input_ids_accepted(llama):
 @pytest.mark.parametrize(
     "ids",
     [
-        torch.tensor([3, 4, 5]),  # 1-D
-        torch.tensor([[[3, 4, 5]]]),  # 3-D
-        torch.tensor([[3.0, 4.0, 5.0]]),  # float
-        torch.tensor([[True, False]]),  # bool
-        torch.zeros(2, 0, dtype=torch.long),  # no tokens
+        torch.tensor([3, 4, 5], device=DEVICE),  # 1-D
+        torch.tensor([[[3, 4, 5]]], device=DEVICE),  # 3-D
+        torch.tensor([[3.0, 4.0, 5.0]], device=DEVICE),  # float
+        torch.tensor([[True, False]], device=DEVICE),  # bool
+        torch.zeros(2, 0, dtype=torch.long, device=DEVICE),  # no tokens
     ],
     ids=["1d", "3d", "float", "bool", "empty"],
 )
@@ -218,7 +218,7 @@ def test_bad_input_ids_rejected(llama, ids):
 def test_bad_input_ids_rejected_with_cache_leaves_cache(llama):
     cache = kvcache.make_cache(llama, cache_length=8, batch_size=1)
     with pytest.raises(ValueError):
-        llama(torch.tensor([[3.0, 4.0]]), cache)
+        llama(torch.tensor([[3.0, 4.0]], device=DEVICE), cache)
     assert cache.lengths.tolist() == [0]
 
 
@@ -229,7 +229,7 @@ def test_n_tokens_without_cache_rejected(llama):
 
 def test_token_ids_outside_vocabulary_name_ids_and_vocab_size(llama):
     with pytest.raises(ValueError, match=r"outside \[0, 128\).*\[8192\]"):
-        llama(torch.tensor([[5, 8192]]))
+        llama(torch.tensor([[5, 8192]], device=DEVICE))
 
 
 # --- positions past max_position_embeddings ------------------------------------------------------

@@ -17,6 +17,7 @@ from kvcache.prefix import INDEX, PrefixStore, PrefixStoreError
 
 sys.path.insert(0, str(Path(__file__).parent / "cache"))
 from policy_util import build_tiny  # noqa: E402
+from conftest import DEVICE, atol
 
 VOCAB = 64
 CHUNK = 32
@@ -119,7 +120,7 @@ def test_default_reuse_gives_the_same_tokens(model, policy):
     assert all(store.reusable(p) >= len(PREFIX) // CHUNK * CHUNK for p in PROMPTS[1:])
     a, _ = _prefill(model, policy, PROMPTS)
     b, _ = _prefill(model, policy, PROMPTS, store)
-    assert (a - b).abs().max().item() <= 1e-5
+    assert (a - b).abs().max().item() <= atol("cache")
 
 
 def test_dense_rows_reuse_different_lengths(model):
@@ -131,7 +132,7 @@ def test_dense_rows_reuse_different_lengths(model):
     assert [store.reusable(r) for r in rows] == [0, 100, len(PROMPTS[0]) + 4]
     ref, _ = _prefill(model, "dense", rows)
     got, _ = _prefill(model, "dense", rows, store)
-    assert (ref - got).abs().max().item() <= 1e-5
+    assert (ref - got).abs().max().item() <= atol("cache")
     kw = dict(max_new_tokens=8, prefill_chunk=CHUNK)
     assert kvcache.generate(model, rows, prefix_store=store, **kw) == kvcache.generate(model, rows, **kw)
 
@@ -155,7 +156,7 @@ def test_rows_of_one_batch_share_a_new_prefix(model, policy):
     # Once the shared prefix (or its grid part), then each row's rest in one padded batch.
     shared = store.boundary(len(PREFIX))
     assert sum(fed) <= shared + len(PROMPTS) * (max(map(len, PROMPTS)) - shared)
-    assert (ref - got).abs().max().item() <= 1e-5
+    assert (ref - got).abs().max().item() <= atol("cache")
 
 
 def test_evicting_rows_reuse_grid_boundaries_only(model):
@@ -180,7 +181,7 @@ def test_the_last_prompt_token_is_always_computed(model):
 def test_the_boundary_trap():
     """A system prompt tokenized alone is not a prefix of system + question tokenized together;
     only the tokens that match are reused, and the answer is the one without the store."""
-    model, tok = kvcache.load(dtype=torch.float32), kvcache.load_tokenizer()
+    model, tok = kvcache.load(dtype=torch.float32, device=DEVICE), kvcache.load_tokenizer()
     system, question = "You are a helpful assistant. ", "What is the capital of France?"
     alone, whole = tok.encode(system), tok.encode(system + question)
     assert whole[: len(alone)] != alone  # " " then "What" alone; " What" together
@@ -226,7 +227,7 @@ def test_a_store_serves_one_cache_configuration(model):
     kvcache.generate(model, PROMPTS[0], max_new_tokens=2, prefix_store=store, prefill_chunk=CHUNK)
     cache = kvcache.make_cache(model, "h2o", cache_length=BUDGET, **_options("h2o"))
     with torch.inference_mode():
-        model(torch.tensor([PROMPTS[1][:40]]), cache)
+        model(torch.tensor([PROMPTS[1][:40]], device=DEVICE), cache)
     before = cache.snapshot().tensors()
     with pytest.raises(ValueError, match="holds dense caches .* but this call uses h2o"):
         kvcache.generate(model, PROMPTS[1], max_new_tokens=2, cache=cache, prefix_store=store)

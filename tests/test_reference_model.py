@@ -18,14 +18,14 @@ from kvcache.checkpoint import BUNDLED_MODEL
 from kvcache.cli import main
 from kvcache.tasks import TaskMaker, read_texts
 
-from conftest import CACHE_ATOL, HF_ATOL
+from conftest import DEVICE, CACHE_ATOL, HF_ATOL
 
 transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
 def reference():
-    model = kvcache.load(dtype=torch.float32)
+    model = kvcache.load(dtype=torch.float32, device=DEVICE)
     tokenizer = kvcache.load_tokenizer()
     return model, tokenizer
 
@@ -33,7 +33,7 @@ def reference():
 @pytest.fixture(scope="module")
 def filler(reference):
     _, tokenizer = reference
-    return read_texts(None, tokenizer)
+    return read_texts(None, tokenizer).to(DEVICE)
 
 
 def test_bundled_files_and_size():
@@ -56,8 +56,8 @@ def test_load_with_no_source_is_the_bundled_grouped_query_llama(reference):
 
 def test_transformers_loads_the_same_model(reference):
     model, tokenizer = reference
-    hf = transformers.AutoModelForCausalLM.from_pretrained(BUNDLED_MODEL, dtype=torch.float32).eval()
-    ids = torch.tensor([tokenizer.encode("It is a truth universally acknowledged, that a single man")])
+    hf = transformers.AutoModelForCausalLM.from_pretrained(BUNDLED_MODEL, dtype=torch.float32).eval().to(DEVICE)
+    ids = torch.tensor([tokenizer.encode("It is a truth universally acknowledged, that a single man")], device=DEVICE)
     with torch.no_grad():
         expected = hf(ids).logits
     assert (model(ids) - expected).abs().max().item() <= HF_ATOL[torch.float32]
@@ -80,7 +80,7 @@ def test_the_weights_are_trained(reference, filler):
 def test_dense_cache_equals_the_plain_forward_on_trained_weights(reference, filler):
     # In float64, where the different summation orders of the chunked and the whole forward
     # round away (in float32 the trained logits, up to about 15, differ by about 1e-5).
-    model = kvcache.load(dtype=torch.float64)
+    model = kvcache.load(dtype=torch.float64, device=DEVICE)
     ids = filler[None, :300]
     with torch.no_grad():
         expected = model(ids)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import kvcache
-from conftest import VOCAB, random_ids
+from conftest import DEVICE, VOCAB, random_ids
 
 # Every registered policy at full precision, and a few at quantized storages.
 POLICIES = sorted(kvcache.policies()) + ["dense:int8", "window:int8", "h2o:int8", "snapkv:int4"]
@@ -85,7 +85,7 @@ def test_every_difference_is_named(llama):
 
 @pytest.mark.parametrize("bad", [VOCAB, 8192, -1])
 def test_token_ids_outside_vocabulary_rejected(llama, bad):
-    ids = torch.tensor([[5, bad, 7]])
+    ids = torch.tensor([[5, bad, 7]], device=DEVICE)
     with pytest.raises(ValueError, match=rf"outside \[0, {VOCAB}\).*\[{bad}\]"):
         llama(ids)
 
@@ -93,7 +93,7 @@ def test_token_ids_outside_vocabulary_rejected(llama, bad):
 def test_token_ids_outside_vocabulary_in_padding_rejected(llama):
     """Padding goes through the embedding too, so it must be a valid id (generate pads with 0)."""
     cache = kvcache.make_cache(llama, cache_length=8, batch_size=2)
-    ids = torch.tensor([[5, 6], [7, VOCAB]])
+    ids = torch.tensor([[5, 6], [7, VOCAB]], device=DEVICE)
     with pytest.raises(ValueError, match=str(VOCAB)):
         llama(ids, cache, n_tokens=[2, 1])
     assert cache.lengths.tolist() == [0, 0]

@@ -10,20 +10,22 @@ from hypothesis import strategies as st
 
 from kvcache.config import RopeConfig
 from kvcache.rope import apply_rope, inverse_frequencies, rope_angles
+from conftest import DEVICE
 
 D = 16
+# Frequencies are computed on the CPU (as the model computes them); the rotations run on the test device.
 INV = inverse_frequencies(RopeConfig(theta=10000.0), D)
 
 
 def _rotate(x, pos):
-    cos, sin = rope_angles(INV, torch.tensor([pos]), torch.float32)
+    cos, sin = rope_angles(INV.to(DEVICE), torch.tensor([pos], device=DEVICE), torch.float32)
     return apply_rope(x, cos[0], sin[0])
 
 
 @settings(max_examples=30, deadline=None)
 @given(st.integers(0, 5000), st.integers(-2000, 2000))
 def test_rotations_compose(a, b):
-    x = torch.randn(D, generator=torch.Generator().manual_seed(a))
+    x = torch.randn(D, generator=torch.Generator().manual_seed(a)).to(DEVICE)
     assert torch.allclose(_rotate(_rotate(x, a), b), _rotate(x, a + b), atol=2e-3)
 
 
@@ -31,7 +33,7 @@ def test_rotations_compose(a, b):
 @given(st.integers(0, 3000), st.integers(0, 3000), st.integers(0, 300))
 def test_scores_depend_on_distance_only(p, q, shift):
     g = torch.Generator().manual_seed(p + q)
-    x, y = torch.randn(D, generator=g), torch.randn(D, generator=g)
+    x, y = torch.randn(D, generator=g).to(DEVICE), torch.randn(D, generator=g).to(DEVICE)
     s1 = _rotate(x, p) @ _rotate(y, q)
     s2 = _rotate(x, p + shift) @ _rotate(y, q + shift)
     assert abs(s1 - s2) < 2e-3
@@ -64,9 +66,9 @@ def test_llama3_scaling_bands():
 
 
 def test_angles_computed_in_fp32_for_low_precision():
-    pos = torch.tensor([[30000]])
-    cos16, sin16 = rope_angles(INV, pos, torch.bfloat16)
-    cos32, sin32 = rope_angles(INV, pos, torch.float32)
+    pos = torch.tensor([[30000]], device=DEVICE)
+    cos16, sin16 = rope_angles(INV.to(DEVICE), pos, torch.bfloat16)
+    cos32, sin32 = rope_angles(INV.to(DEVICE), pos, torch.float32)
     assert cos16.dtype == torch.bfloat16 and cos16.shape == (1, 1, D)
     # bf16 rounding of the result only (~4e-3), not of the angle (which would be off by radians)
     assert (cos16.float() - cos32).abs().max() < 1e-2

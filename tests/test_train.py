@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvcache
-from conftest import FAMILIES, random_ids
+from conftest import DEVICE, FAMILIES, random_ids
 from train_util import gradients, plain_loss, relative_errors
 
 REL_TOL = 1e-5
@@ -75,7 +75,7 @@ def test_labels_weights_and_ignored_targets(llama):
     ids = random_ids(20, batch=2, seed=5)
     labels = random_ids(20, batch=2, seed=6)
     labels[0, 3:9] = -100
-    weights = torch.rand(2, 20, generator=torch.Generator().manual_seed(0)) * 3
+    weights = torch.rand(2, 20, generator=torch.Generator().manual_seed(0)).to(DEVICE) * 3
 
     def reference():
         logits = llama(ids)[:, :-1].flatten(0, 1)
@@ -144,8 +144,8 @@ def test_input_errors(llama):
     with pytest.raises(ValueError, match="at least 2 tokens"):
         kvcache.chunked_loss(llama, random_ids(1))
     with pytest.raises(ValueError, match="integer tensor"):
-        kvcache.chunked_loss(llama, torch.zeros(2, 5))
+        kvcache.chunked_loss(llama, torch.zeros(2, 5, device=DEVICE))
     with pytest.raises(ValueError, match="no token to predict"):
-        kvcache.chunked_loss(llama, random_ids(6), torch.full((1, 6), -100))
+        kvcache.chunked_loss(llama, random_ids(6), torch.full((1, 6), -100, device=DEVICE))
     with pytest.raises(ValueError, match="labels must have the shape"):
         kvcache.chunked_loss(llama, random_ids(6), random_ids(5))

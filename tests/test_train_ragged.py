@@ -9,6 +9,7 @@ import torch
 
 import kvcache
 from train_util import gradients, relative_errors, tiny_model, token_ids
+from conftest import DEVICE
 
 REL_TOL = 1e-5
 LENGTHS = (23, 9, 16)
@@ -27,7 +28,7 @@ def model(tmp_path_factory):
 ])
 def test_ragged_rows_equal_rows_alone(model, policy, options):
     rows = [token_ids(n, seed=i)[0] for i, n in enumerate(LENGTHS)]
-    weights = [1.0 + torch.rand(n, generator=torch.Generator().manual_seed(10 + i)) for i, n in enumerate(LENGTHS)]
+    weights = [1.0 + torch.rand(n, generator=torch.Generator().manual_seed(10 + i)).to(DEVICE) for i, n in enumerate(LENGTHS)]
     labels = [r.clone() for r in rows]
     labels[1][2:5] = -100
     kw = dict(policy=policy, chunk=5, **options)
@@ -57,10 +58,10 @@ def test_padding_would_matter_without_the_rule(model):
 
 @pytest.mark.parametrize("rows, kwargs, message", [
     ([], {}, "empty list"),
-    ([torch.arange(3, 9), torch.arange(3, 4)], {}, "row 1 has 1"),
-    ([torch.arange(3, 9), torch.ones(4)], {}, "row 1 must be a 1-D integer tensor"),
-    ([torch.arange(3, 9)], dict(labels=torch.arange(3, 9)[None]), "labels must be a list"),
-    ([torch.arange(3, 9)], dict(weights=[torch.ones(5)]), r"weights\[0\] must have the shape of row 0"),
+    ([torch.arange(3, 9, device=DEVICE), torch.arange(3, 4, device=DEVICE)], {}, "row 1 has 1"),
+    ([torch.arange(3, 9, device=DEVICE), torch.ones(4, device=DEVICE)], {}, "row 1 must be a 1-D integer tensor"),
+    ([torch.arange(3, 9, device=DEVICE)], dict(labels=torch.arange(3, 9, device=DEVICE)[None]), "labels must be a list"),
+    ([torch.arange(3, 9, device=DEVICE)], dict(weights=[torch.ones(5, device=DEVICE)]), r"weights\[0\] must have the shape of row 0"),
 ])
 def test_ragged_errors(model, rows, kwargs, message):
     labels = kwargs.pop("labels", None)
