@@ -1,4 +1,7 @@
-"""Loading checkpoints and tokenizers: what loads, what loads equal, and every way it can fail."""
+"""Loading checkpoints and tokenizers: what loads, what loads equal, and every way it can fail.
+
+Models whose outputs are compared load on the test device; the failures are of files and need none
+(they load on the CPU, the default)."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 import kvcache
 import kvcache.checkpoint
-from conftest import HF_ATOL, build_hf_model, max_diff, random_ids
+from conftest import DEVICE, HF_ATOL, build_hf_model, max_diff, random_ids
 
 
 @pytest.fixture
@@ -51,7 +54,7 @@ def test_load_gives_eval_fp32_cpu_model(llama_ckpt):
     assert all(p.dtype == torch.float32 and p.device.type == "cpu" for p in model.parameters())
     assert not any(p.is_meta for p in model.parameters())
     assert model.inv_freq.dtype == torch.float32 and not model.inv_freq.is_meta
-    hf = llama_ckpt.hf.state_dict()
+    hf = {name: t.cpu() for name, t in llama_ckpt.hf.state_dict().items()}  # on the test device
     for name, t in model.state_dict().items():
         assert torch.equal(t, hf[name if name.startswith("lm_head") else f"model.{name}"]), name
     assert model.config.model_type == "llama"
@@ -73,8 +76,8 @@ def test_default_dtype_on_cpu_is_float32(tmp_path, llama_ckpt):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_dtype_casts_weights(llama_ckpt, dtype):
-    ref = kvcache.load(llama_ckpt.path)
-    model = kvcache.load(llama_ckpt.path, dtype=dtype)
+    ref = kvcache.load(llama_ckpt.path, dtype=torch.float32, device=DEVICE)
+    model = kvcache.load(llama_ckpt.path, dtype=dtype, device=DEVICE)
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         assert p.dtype == dtype, name
         assert torch.equal(p, q.to(dtype)), name
@@ -100,7 +103,7 @@ def test_sharded_checkpoint_equals_unsharded(llama_ckpt, tmp_path):
     assert (sharded / "model.safetensors.index.json").exists()
     assert not (sharded / "model.safetensors").exists()
     assert len(list(sharded.glob("model-*.safetensors"))) > 1
-    a, b = kvcache.load(sharded), kvcache.load(llama_ckpt.path)
+    a, b = kvcache.load(sharded, device=DEVICE), kvcache.load(llama_ckpt.path, device=DEVICE)
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
@@ -120,7 +123,7 @@ def test_transformers4_rope_layout(checkpoint_factory, tmp_path):
     cfg["rope_theta"] = params["rope_theta"]
     cfg["rope_scaling"] = {"type": "linear", "factor": params["factor"]}
     (path / "config.json").write_text(json.dumps(cfg))
-    model = kvcache.load(path)
+    model = kvcache.load(path, device=DEVICE)
     assert model.config.rope.rope_type == "linear" and model.config.rope.factor == params["factor"]
     assert model.config.rope.theta == params["rope_theta"]
     ids = random_ids(20, seed=3)

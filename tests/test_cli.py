@@ -17,6 +17,8 @@ from kvcache.errors import GenerationError
 from kvcache.generate import DEFAULT_PREFILL_CHUNK, truncate_at_stop
 from text_checkpoint import build_text_checkpoint
 
+pytestmark = pytest.mark.cpu_only("the command line loads its models on the CPU by default, in this process and in subprocesses")
+
 transformers = pytest.importorskip("transformers")
 
 PROMPT = "the cat sat on the mat"

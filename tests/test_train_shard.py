@@ -48,12 +48,16 @@ def check(results: list[dict], count: int) -> None:
         assert r["state_equal"], r
 
 
+# gloo process groups and torchrun in CPU processes, and the CLI's CPU checkpoints: on the CPU
+# whatever KVCACHE_TEST_DEVICE says.
+GLOO = pytest.mark.cpu_only("gloo process groups and torchrun on the CPU")
 SLOW = pytest.mark.skipif(not os.environ.get("KVCACHE_SLOW_TESTS"), reason="slow (more processes); set KVCACHE_SLOW_TESTS=1")
 # Every pair of (DDP or FSDP2, full or LoRA, dense or h2o) in 4 runs; all 8 with KVCACHE_SLOW_TESTS.
 PAIRS = [("ddp", False, H2O), ("ddp", True, ("dense", {})), ("fsdp", False, ("dense", {})), ("fsdp", True, H2O)]
 ALL = [(how, lora, p) for how in ("ddp", "fsdp") for lora in (False, True) for p in (("dense", {}), H2O)]
 
 
+@GLOO
 @pytest.mark.parametrize("combos", [PAIRS, pytest.param(ALL, marks=SLOW)], ids=["pairs", "all"])
 def test_two_ranks_equal_one_process(ckpt, tmp_path, combos):
     """3 rows over 2 ranks (2 + 1), one row with ignored targets and every target weighted: the
@@ -65,6 +69,7 @@ def test_two_ranks_equal_one_process(ckpt, tmp_path, combos):
     check(json.loads(out.read_text()), len(cases))
 
 
+@GLOO
 @SLOW
 def test_three_ranks_equal_one_process(ckpt, tmp_path):
     cases = [dict(how="fsdp", lora=False, policy=H2O[0], options=H2O[1], rows=4),
@@ -74,6 +79,7 @@ def test_three_ranks_equal_one_process(ckpt, tmp_path):
     check(json.loads(out.read_text()), len(cases))
 
 
+@GLOO
 @pytest.mark.parametrize("mode, message", [("raise", "ids needs at least 2 tokens per row"),
                                            pytest.param("vanish", "", marks=SLOW)])
 def test_a_failing_rank_ends_the_run(ckpt, mode, message):
@@ -112,6 +118,7 @@ FLAGS = ["--seq-len", "64", "--chunk", "16", "--cache-length", "32", "--policy",
          "--batch-size", "3", "--threads", "1"]
 
 
+@GLOO
 @pytest.mark.parametrize("how, both, sharded_only", [
     ("fsdp", [], ["--offload-kv"]),
     pytest.param("ddp", ["--lora-rank", "2", "--merge-lora"], [], marks=SLOW),
@@ -138,7 +145,7 @@ def test_torchrun_checkpoint_equals_one_process(text_file, tmp_path, capsys, how
     assert json.loads((tmp_path / "two" / "training.json").read_text())["ranks"] == 2
     one, two = kvcache.load(tmp_path / "one"), kvcache.load(tmp_path / "two")
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "two")
-    ids = token_ids(40, vocab=one.config.vocab_size)
+    ids = token_ids(40, vocab=one.config.vocab_size).cpu()
     with torch.no_grad():
         # Two implementations of one computation (the ranks' gradients are summed in another
         # order, and AdamW divides each by its own magnitude): the tolerance between kvcache and
@@ -147,6 +154,7 @@ def test_torchrun_checkpoint_equals_one_process(text_file, tmp_path, capsys, how
         assert max_diff(theirs(ids).logits, two(ids)) < HF_ATOL[torch.float32]
 
 
+@GLOO
 def test_shard_needs_torchrun(text_file, tmp_path, capsys, monkeypatch):
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
@@ -156,6 +164,7 @@ def test_shard_needs_torchrun(text_file, tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "o").exists()
 
 
+@GLOO
 def test_a_missing_rank_times_out(text_file, tmp_path):
     """Rank 0 of 2 started alone: the group never forms, and the run fails after --dist-timeout
     with a message naming the rank and the address, not a hang."""

@@ -57,7 +57,7 @@ def test_rule_keeps_the_blocks_kvcache_keeps(llama, raw):
     rule = BlockRule(config)
     options = dict(config.options)
     cache = kvcache.make_cache(llama, config.policy, cache_length=config.cache_length, block=BLOCK, **options)
-    ids = torch.randint(3, 100, (1, 300), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(3, 100, (1, 300), generator=torch.Generator().manual_seed(0)).to(llama.embed_tokens.weight.device)
     prompt = 130
     llama(ids[:, :prompt], cache)
     for n in range(prompt, 300):

@@ -27,6 +27,8 @@ from vllm.inputs import TokensPrompt  # noqa: E402
 from kvcache.vllm.config import ConfigError  # noqa: E402
 from vllm_models import BLOCK, NEW_TOKENS, POLICIES, build, kvcache_tokens, prompts  # noqa: E402
 
+pytestmark = pytest.mark.cpu_only("vLLM's CPU build")
+
 MODELS = ["llama", "qwen2", "qwen3"]
 
 
