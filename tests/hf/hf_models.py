@@ -14,7 +14,7 @@ import torch
 
 import kvcache.hf
 from kvcache.hf import cache_kwargs
-from conftest import FAMILIES, HIDDEN, VOCAB, _COMMON, build_hf_model
+from conftest import DEVICE, FAMILIES, HIDDEN, VOCAB, _COMMON, build_hf_model
 
 # Families kvcache does not implement, whose attention goes through transformers' interface.
 # granite scales its scores by attention_multiplier, not 1/sqrt(head_dim).
@@ -66,10 +66,10 @@ def _check_buildable(name: str) -> None:
 
 
 def build(name: str, attn: str = "eager"):
-    """A tiny fp32 causal LM of family ``name`` in eval mode, with ``attn`` attention; the same
-    weights every call."""
+    """A tiny fp32 causal LM of family ``name`` in eval mode on the test device, with ``attn``
+    attention; the same weights every call."""
     if name in FAMILIES:
-        model = build_hf_model(name)
+        model = build_hf_model(name).to(DEVICE)
         model.set_attn_implementation(attn)
         return model
     from transformers import AutoModelForCausalLM
@@ -95,7 +95,7 @@ def build(name: str, attn: str = "eager"):
                 p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
-    return model.eval()
+    return model.eval().to(DEVICE)
 
 
 def greedy(model, ids: torch.Tensor, n: int, cache=None, **kwargs):
@@ -107,14 +107,15 @@ def greedy(model, ids: torch.Tensor, n: int, cache=None, **kwargs):
 
 
 def left_pad(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token rows of different lengths as (ids, attention_mask), both (B, longest), padded on the left."""
+    """Token rows of different lengths as (ids, attention_mask), both (B, longest) on the test device,
+    padded on the left."""
     T = max(len(r) for r in rows)
     ids = torch.zeros(len(rows), T, dtype=torch.long)
     mask = torch.zeros(len(rows), T, dtype=torch.long)
     for b, r in enumerate(rows):
         ids[b, T - len(r):] = torch.tensor(r)
         mask[b, T - len(r):] = 1
-    return ids, mask
+    return ids.to(DEVICE), mask.to(DEVICE)
 
 
 def make(model, policy: str, cache_length: int, **kwargs) -> kvcache.hf.HFCache:

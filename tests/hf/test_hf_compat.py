@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import kvcache.hf
-from conftest import random_ids
+from conftest import DEVICE, random_ids
 from hf_models import build
 from kvcache.hf import compat
 
@@ -28,7 +28,7 @@ def test_cache_keyword_is_one_the_model_takes_without_a_deprecation_warning():
 
 def test_get_mask_sizes_takes_a_length_or_cache_positions():
     assert compat.query_length(5) == 5
-    assert compat.query_length(torch.arange(3, 8)) == 5
+    assert compat.query_length(torch.arange(3, 8, device=DEVICE)) == 5
 
 
 @pytest.mark.parametrize("version", ["5.99.0", "5.300.1.dev0"])

@@ -14,7 +14,7 @@ import transformers
 
 import kvcache.hf
 from kvcache.hf import cache_kwargs
-from conftest import CACHE_ATOL, max_diff, random_ids
+from conftest import DEVICE, CACHE_ATOL, max_diff, random_ids
 from hf_models import OTHER_FAMILIES, build, greedy, left_pad, make
 
 ATOL = CACHE_ATOL[torch.float32]
@@ -79,7 +79,7 @@ def test_left_padded_batch_equals_rows_alone_and_dynamic_cache():
     assert cache.get_seq_length() == 20 + 23  # columns, padding included, as transformers counts
     for b, row in enumerate(rows):
         alone = kvcache.hf.make_cache(model, "dense", cache_length=44)
-        ids_b, logits_b = greedy(model, torch.tensor([row]), 24, alone)
+        ids_b, logits_b = greedy(model, torch.tensor([row], device=DEVICE), 24, alone)
         assert torch.equal(ids_b[0, len(row):], got_ids[b, 20:])
         assert max_diff(logits_b[0], got_logits[b]) <= ATOL
 
@@ -88,14 +88,14 @@ def test_right_padding_fed_by_hand_equals_rows_alone():
     """A right-padded chunk needs no position_ids; the next one gets each row's own positions."""
     model = build("qwen2")
     a, b = random_ids(12, seed=6)[0], random_ids(9, seed=7)[0]
-    ids = torch.stack([a, torch.cat([b, torch.zeros(3, dtype=torch.long)])])
-    mask = torch.tensor([[1] * 12, [1] * 9 + [0] * 3])
+    ids = torch.stack([a, torch.cat([b, torch.zeros(3, dtype=torch.long, device=DEVICE)])])
+    mask = torch.tensor([[1] * 12, [1] * 9 + [0] * 3], device=DEVICE)
     nxt = random_ids(2, batch=2, seed=8)
     with torch.no_grad():
         cache = kvcache.hf.make_cache(model, "dense", cache_length=14, batch_size=2)
         first = model(ids, attention_mask=mask, **cache_kwargs(cache)).logits
-        positions = cache.lengths[:, None] + torch.arange(2)
-        mask = torch.cat([mask, torch.ones(2, 2, dtype=torch.long)], dim=1)
+        positions = cache.lengths[:, None] + torch.arange(2, device=DEVICE)
+        mask = torch.cat([mask, torch.ones(2, 2, dtype=torch.long, device=DEVICE)], dim=1)
         second = model(nxt, attention_mask=mask, position_ids=positions, **cache_kwargs(cache)).logits
         for row, (real, n) in enumerate(((a, 12), (b, 9))):
             alone = kvcache.hf.make_cache(model, "dense", cache_length=14)

@@ -9,7 +9,7 @@ import torch
 import kvcache
 import kvcache.hf
 from kvcache.hf import cache_kwargs
-from conftest import CACHE_ATOL, max_diff, random_ids
+from conftest import DEVICE, CACHE_ATOL, max_diff, random_ids
 from hf_models import build, greedy, left_pad
 from kvcache.hf.compat import CACHE_ARG, check
 
@@ -85,10 +85,10 @@ def test_rejected_calls_leave_the_cache_as_it_was():
         with pytest.raises(kvcache.CapacityError):
             model(ids, **cache_kwargs(cache))  # 12 tokens into 10 slots
         with pytest.raises(ValueError, match="position_ids of row 0"):
-            model(ids[:, :4], position_ids=torch.arange(1, 5)[None], **cache_kwargs(cache))
+            model(ids[:, :4], position_ids=torch.arange(1, 5, device=DEVICE)[None], **cache_kwargs(cache))
         with pytest.raises(ValueError, match="2D padding mask"):
-            model(ids[:, :4], attention_mask=torch.ones(2, 1, 4, 4, dtype=torch.bool), **cache_kwargs(cache))
-        gap = torch.tensor([[1, 1, 1, 1], [1, 0, 1, 1]])
+            model(ids[:, :4], attention_mask=torch.ones(2, 1, 4, 4, dtype=torch.bool, device=DEVICE), **cache_kwargs(cache))
+        gap = torch.tensor([[1, 1, 1, 1], [1, 0, 1, 1]], device=DEVICE)
         with pytest.raises(ValueError, match="row 1 has padding between real tokens"):
             model(ids[:, :4], attention_mask=gap, **cache_kwargs(cache))
         assert cache.get_seq_length() == 0 and cache.lengths.tolist() == [0, 0]
@@ -128,7 +128,7 @@ def test_row_operations_are_refused():
     with pytest.raises(NotImplementedError, match="assisted"):
         cache.crop(-1)
     with pytest.raises(NotImplementedError, match="select rows"):
-        cache.batch_select_indices(torch.tensor([0]))
+        cache.batch_select_indices(torch.tensor([0], device=DEVICE))
 
 
 def test_storage_and_options_are_kvcaches():

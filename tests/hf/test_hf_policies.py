@@ -17,7 +17,7 @@ import torch
 import kvcache
 import kvcache.hf
 from kvcache.hf import cache_kwargs
-from conftest import CACHE_ATOL, HF_ATOL, max_diff, random_ids
+from conftest import DEVICE, CACHE_ATOL, HF_ATOL, max_diff, random_ids
 from hf_models import greedy, left_pad, make
 
 POLICIES = sorted(kvcache.policies())
@@ -91,5 +91,5 @@ def test_ragged_batch_equals_kvcache_batch_and_rows_alone(models, policy):
                                                      **_options(policy, C)))
     assert got == want
     for b, row in enumerate(rows):
-        alone, _ = greedy(hf, torch.tensor([row]), new, make(hf, policy, C))
+        alone, _ = greedy(hf, torch.tensor([row], device=DEVICE), new, make(hf, policy, C))
         assert alone[0, len(row):].tolist() == got[b]
