@@ -10,12 +10,17 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+import kvcache
 from kvcache.eval import sweep
 from kvcache.eval.cell import Bench, run_cell
 
 ray = pytest.importorskip("ray")
 ray_sweep = pytest.importorskip("kvcache.eval.ray_sweep")
+
+# Ray's workers load the model on the CPU (kvcache.load's default): the serial sweep does too.
+pytestmark = pytest.mark.cpu_only("Ray workers load the model on the CPU")
 
 BENCH = Bench.make("ruler")
 
@@ -59,9 +64,10 @@ def without_time(results):
     return [{k: v for k, v in r.items() if k != "seconds"} for r in results]
 
 
-def test_ray_sweep_equals_the_serial_sweep(cluster, tiny, tiny_dir, tokenizer, tmp_path):
+def test_ray_sweep_equals_the_serial_sweep(cluster, tiny_dir, tokenizer, tmp_path):
     grid = cells()
-    serial = sweep.run(tiny, tokenizer, grid, BENCH, tmp_path / "serial", progress=False)
+    model = kvcache.load(tiny_dir, dtype=torch.float32)  # on the CPU, as the workers load it
+    serial = sweep.run(model, tokenizer, grid, BENCH, tmp_path / "serial", progress=False)
     log = str(tmp_path / "ran.jsonl")
     victim = grid[2].key(BENCH)
     results = ray_sweep.run(tiny_dir, grid, BENCH, tmp_path / "ray", workers=2, runner=noting(log, victim),
