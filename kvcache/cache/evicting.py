@@ -161,8 +161,9 @@ class EvictingCache(LayerCache):
             return self._append(q, k, v, step)
         return self._chunk(q, k, v, step)
 
-    def _append(self, q, k, v, step: Step) -> torch.Tensor:
-        """Every row has room for its chunk: write it after the held slots, attend in place."""
+    def _append(self, q, k, v, step: Step, count: bool = True) -> torch.Tensor:
+        """Every row has room for its chunk: write it after the held slots, attend in place.
+        ``count``: add the chunk to ``held`` here (a decode step's count is ``advance_decode``'s)."""
         store, held = self.storage, self.held
         even = step.uniform and bool((held == held[0]).all())
         if even:
@@ -177,8 +178,10 @@ class EvictingCache(LayerCache):
             n, B, Hp, _ = self._stat_buffer.shape
             self._stat_buffer.scatter_(3, slots[None, :, None].expand(n, B, Hp, -1), 0.0)
             store.pos[:, :, self.spec.cache_length] = -1
-        self.held = held + step.n_tokens
-        span = int(self.held.max())
+        after = held + step.n_tokens
+        if count:
+            self.held = after
+        span = int(after.max())
         ks, vs, pos = store.view(span)
         if step.num_tokens > 1 and store.packed and store.exact_roundtrip:
             # A chunk attends decoded slots at the cost of full-precision attention: the same
@@ -212,6 +215,11 @@ class EvictingCache(LayerCache):
         # lowest-priority slot takes the token. A row that is not full evicts an empty slot, the
         # first (as appending would choose), so this one path serves every step.
         C = self.spec.cache_length
+        if step.known and int(self.held.max()) < C:
+            # A host fact narrows the step: every row has room, so the slot this path would pick
+            # is each row's first empty one. The token is written there and only the filled
+            # slots are attended (the path below attends all C + 1), as a dense cache would.
+            return self._append(q, k, v, step, count=False)
         store = self.storage
         store.write_slice(C, k, v, step.positions)
         self._stat_buffer[..., C] = 0.0
