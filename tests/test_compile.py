@@ -179,15 +179,15 @@ def test_a_full_dense_cache_is_rejected_before_running(tiny):
     assert cache.lengths.tolist() == [5] and torch.equal(cache.layers[0].storage.k, before)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="needs KVCACHE_TEST_DEVICE=cuda")
 @pytest.mark.parametrize("name", ["dense", "window", "sink", "h2o", "tova", "snapkv", "dense:int8"])
 def test_decode_steps_do_not_synchronise_with_the_host_on_cuda(tiny, name):
     """Neither the eager nor the captured decode step waits for the GPU: under
     ``torch.cuda.set_sync_debug_mode("error")`` any synchronising call raises."""
     model = kvcache.Transformer(tiny.config)
     model.load_state_dict(tiny.state_dict())
-    model = model.cuda().eval()
-    ids = ids_for(20, batch=2, seed=8).cuda()
+    model = model.to(DEVICE).eval()
+    ids = ids_for(20, batch=2, seed=8)
     for captured in (False, True):
         cache = kvcache.make_cache(model, name, cache_length=24 if name.startswith("dense") else 8, batch_size=2)
         with torch.inference_mode():
