@@ -8,6 +8,8 @@ import pytest
 
 from kvcache.cli import main
 
+pytestmark = pytest.mark.cpu_only("the command line loads its model on the CPU by default")
+
 pytest.importorskip("matplotlib")
 
 

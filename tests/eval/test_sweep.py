@@ -12,6 +12,7 @@ import kvcache
 from kvcache.eval import leaderboard, sweep
 from kvcache.eval.cell import Bench, Cell, make_cell_cache, run_cell
 from kvcache.eval.sample import encode
+from conftest import DEVICE
 
 BENCH = Bench.make("ruler")
 
@@ -47,12 +48,12 @@ def test_the_cache_keeps_kvpress_count_of_the_compressed_part(tiny, tokenizer, r
     total = len(enc) + sample.max_new_tokens
     cache = make_cell_cache(tiny, "h2o", ratio, first, total)
     with torch.inference_mode():
-        tiny(torch.tensor([enc.ids[:first]]), cache, last_only=True)
+        tiny(torch.tensor([enc.ids[:first]], device=DEVICE), cache, last_only=True)
     kept = int(first * (1 - ratio))
     assert [int(layer.held[0]) for layer in cache.layers] == [kept] * len(cache.layers)
     # The rest is appended without evicting: the cache grows by exactly the tokens that follow.
     with torch.inference_mode():
-        tiny(torch.tensor([enc.ids[first:]]), cache, last_only=True)
+        tiny(torch.tensor([enc.ids[first:]], device=DEVICE), cache, last_only=True)
     assert int(cache.layers[0].held[0]) == kept + len(enc) - first
 
 
