@@ -70,7 +70,9 @@ def fail(message: str):
 
 def decode_runs(device: str, quick: bool) -> list[list[str]]:
     """decode.py command lines, one per group of cells that share a prompt length and batches."""
-    common = ["--device", device, "--compiled"]
+    # A GPU's read bandwidth is the 1 GiB probe's; a probe the size of one step's reads (8B at batch
+    # 64: 25 GB) would only take memory.
+    common = ["--device", device, "--compiled", "--no-working-set-bandwidth"]
     if device == "cpu":
         return [common + ["--shapes", "tiny@64", "--batch", "1,2", "--new-tokens", "8", "--repeats", "1",
                           "--bandwidth-mib", "64", "--threads", "1"]]
