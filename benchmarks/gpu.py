@@ -15,12 +15,16 @@ Parts (``--parts``, default all, in this order):
     packed    quantized.py at 32k tokens, batch 16, bfloat16: one layer's decode step over 8- and
               4-bit packed codes (the Triton kernel on CUDA) against SDPA over bfloat16 keys, then
               end-to-end decode of the 1B shape over int8/int4/int2 against dense.
+    drift     ``kvcache drift`` on the device (kvcache.drift.report) for the bundled model in
+              bfloat16 and float32: cached vs uncached, chunked, a row batched with padding vs
+              alone (batch invariance), reused prefixes; kvcache against transformers on the
+              same weights.
 
 ``--quick`` keeps the cells the floors are judged on (1k prompts: 1B at batch 1 and 16, 8B at
 batch 1), the floor policies, fewer steps and repeats. ``--device cpu --quick`` is a smoke test
 of this script on tiny shapes (seconds of compute; CI runs it): its figures mean nothing.
 
-    python benchmarks/gpu.py [--quick] [--device cuda] [--parts suite,decode,policies,packed] [--out DIR]
+    python benchmarks/gpu.py [--quick] [--device cuda] [--parts suite,decode,policies,packed,drift] [--out DIR]
 
 Exit status: 0 when every part ran and the suite passed (a floor missed is reported, not an
 error), 1 otherwise.
@@ -46,9 +50,10 @@ import policies
 import quantized
 
 import kvcache
+from kvcache import drift
 
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = ["suite", "decode", "policies", "packed"]
+PARTS = ["suite", "decode", "policies", "packed", "drift"]
 
 # Floors of docs/gpu.md (H100, bfloat16, batch 1, 1k prompt unless said).
 DECODE_SPEEDUP_FLOOR = 1.3  # kvcache compiled / transformers' static cache compiled
@@ -107,6 +112,13 @@ def packed_run(device: str, quick: bool) -> list[str]:
     return ["--device", device, "--dtype", "bfloat16", "--parts", "layer,model", "--storages", "int8,int4,int2",
             "--batch", "16", "--speed-tokens", "32768", "--steps", steps, "--repeats", repeats, "--new-tokens", new,
             "--model", "1B"]
+
+
+def drift_setup(device: str) -> tuple[list[str], drift.Setup]:
+    """The dtypes and prompt of the drift part: the CLI's defaults on a GPU, a short prompt on the CPU."""
+    if device == "cpu":
+        return ["float32"], drift.Setup(tokens=64, chunk=16, prefix=20, steps=4)
+    return ["bfloat16", "float32"], drift.Setup()
 
 
 def suite_command(device: str, quick: bool, junit: Path) -> list[str]:
@@ -168,6 +180,12 @@ def run_packed(device: str, quick: bool) -> dict:
     return {"command": command, **quantized.run(quantized.parser().parse_args(argv), fail)}
 
 
+def run_drift(device: str, quick: bool) -> dict:
+    dtypes, setup = drift_setup(device)
+    log(f"drift: the bundled model, {','.join(dtypes)} on {device}")
+    return drift.report(None, dtypes, device=device, setup=setup)
+
+
 # ---- floors and the table ------------------------------------------------------------------------------
 
 
@@ -177,7 +195,7 @@ def floors(report: dict) -> list[dict]:
 
     def add(what: str, floor: float, value: float | None, at_most: bool = False) -> None:
         met = None if value is None else (value <= floor if at_most else value >= floor)
-        rows.append({"floor": what, "bound": f"{'<=' if at_most else '>='} {floor}", "value": value, "met": met})
+        rows.append({"floor": what, "bound": f"{'<=' if at_most else '>='} {floor:.3g}", "value": value, "met": met})
 
     for name, cell in report.get("decode", {}).get("cells", {}).items():
         if "kvcache_compiled" not in cell or cell["prompt_tokens"] > 1024:
@@ -204,6 +222,13 @@ def floors(report: dict) -> list[dict]:
     if "dense:int4" in per_token:
         add("end-to-end dense:int4 decode: speed-up over dense", PACKED_MODEL_FLOOR,
             per_token["dense:int4"]["speedup_vs_full_precision"])
+    # Drift no larger than transformers' on the same weights, comparison by comparison.
+    cells = {(r["comparison"], r["engine"], r["dtype"]): r for r in report.get("drift", {}).get("results", [])}
+    for (comparison, engine, dtype), mine in cells.items():
+        theirs = cells.get((comparison, "transformers", dtype))
+        if engine == "kvcache" and theirs and mine["max_abs"] is not None and theirs["max_abs"] is not None:
+            add(f"drift {dtype}, {comparison}: kvcache's max abs logit difference (bound: transformers')", theirs["max_abs"],
+                mine["max_abs"], at_most=True)
     return rows
 
 
@@ -263,9 +288,12 @@ def markdown(report: dict) -> str:
         lines += ["## Packed codes: end-to-end decode", "", "| cache | ms per step | speed-up over full precision |", "|---|---|---|"]
         lines += [f"| {name} | {row['median_ms']} | {row['speedup_vs_full_precision']} |" for name, row in per_token.items()]
         lines.append("")
+    if report.get("drift"):
+        lines += ["## Drift (`kvcache drift`)", "", "```", drift.table(report["drift"]).rstrip(), "```", ""]
     if report.get("floors"):
         lines += ["## Floors", "", "| floor | bound | value | met |", "|---|---|---|---|"]
-        lines += [f"| {row['floor']} | {row['bound']} | {number(row['value'], 3)} | {row['met']} |" for row in report["floors"]]
+        lines += [f"| {row['floor']} | {row['bound']} | {'-' if row['value'] is None else format(row['value'], '.3g')} | "
+                  f"{row['met']} |" for row in report["floors"]]
         lines.append("")
     for part, error in report.get("errors", {}).items():
         lines += [f"## {part}: failed", "", "```", error.strip(), "```", ""]
@@ -318,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     runners = {"suite": lambda: run_suite(args.device, args.quick, args.out),
                "decode": lambda: run_decode(args.device, args.quick),
                "policies": lambda: run_policies(args.device, args.quick),
-               "packed": lambda: run_packed(args.device, args.quick)}
+               "packed": lambda: run_packed(args.device, args.quick),
+               "drift": lambda: run_drift(args.device, args.quick)}
     for part in (part for part in PARTS if part in parts):
         part_start = time.perf_counter()
         try:
