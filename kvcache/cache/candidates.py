@@ -8,7 +8,7 @@ that ranks by keys, values, queries or attention is one file with one or two met
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,13 +19,14 @@ from .base import Step
 class Candidates:
     """The N tokens a layer may keep, as attended in this call.
 
-    keys:       (B, Hkv, N, D) rotated at their absolute positions (a quantized storage's keys as
-                read back from their codes).
-    values:     (B, Hkv, N, D).
+    stored_keys:   (B, Hkv, N, D) keys rotated at their absolute positions, as the layer holds
+                them: a tensor, or a quantized storage's packed view (quant/packed.py). A policy
+                reads ``keys``, the same as a tensor.
+    stored_values: (B, Hkv, N, D) values, likewise (a policy reads ``values``).
     positions:  (B, Hp, N) long: absolute position of each candidate, -1 for an empty slot (the
                 caller ranks empty slots lowest whatever ``priority`` says). Hp is 1 when all K/V
                 heads of a row keep the same tokens, Hkv when each head keeps its own.
-    stats:      name -> (B, Hp, N) float32 per-candidate statistics (the policy's ``stats``),
+    stats:      name -> (B, Hp, N) float32 per-candidate statistics (the policy's ``stat_names``),
                 which ``observe`` updates in place; they move with their tokens.
     queries:    (B, Hq, T, D) this call's queries, rotated at ``step.positions``.
     step:       the call's chunk (positions, padding, each row's newest position).
@@ -36,14 +37,35 @@ class Candidates:
                 query saw them all; with ``mass`` only.
     """
 
-    keys: torch.Tensor
-    values: torch.Tensor
+    stored_keys: object
+    stored_values: object
     positions: torch.Tensor
     stats: dict[str, torch.Tensor]
     queries: torch.Tensor
     step: Step
     mass: torch.Tensor | None = None
     seen: torch.Tensor | float = 1.0
+    # Keys and values read back from packed views, by the first hook that asks.
+    _decoded: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """(B, Hkv, N, D) the candidates' keys as a tensor (a quantized storage's read back from
+        their codes, once per call, by the first hook that asks)."""
+        return self._plain("stored_keys")
+
+    @property
+    def values(self) -> torch.Tensor:
+        """(B, Hkv, N, D) the candidates' values as a tensor (see ``keys``)."""
+        return self._plain("stored_values")
+
+    def _plain(self, name: str) -> torch.Tensor:
+        x = getattr(self, name)
+        if isinstance(x, torch.Tensor) or x is None:
+            return x
+        if name not in self._decoded:
+            self._decoded[name] = x.decoded()
+        return self._decoded[name]
 
     @property
     def newest(self) -> torch.Tensor | int:

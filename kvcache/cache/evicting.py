@@ -33,6 +33,7 @@ blocks (blocks.py), take the append and chunk paths, decided on the host.
 
 from __future__ import annotations
 
+import dataclasses
 from abc import abstractmethod
 
 import torch
@@ -205,9 +206,11 @@ class EvictingCache(LayerCache):
         every call. Statistics decide what is kept; they carry no gradient."""
         if not self._observes or (mass is None and self.needs_attention):
             return
-        self.observe(Candidates(
-            c.keys.detach(), c.values.detach(), c.positions, c.stats, c.queries.detach(), c.step,
-            None if mass is None else mass.detach(), seen,
+        self.observe(dataclasses.replace(
+            c, stored_keys=c.stored_keys.detach(), stored_values=c.stored_values.detach(),
+            queries=c.queries.detach(), mass=None if mass is None else mass.detach(), seen=seen,
+            # What the call already read back from packed views, not read again.
+            _decoded={name: t.detach() for name, t in c._decoded.items()},
         ))
 
     def decode(self, q, k, v, step: Step) -> torch.Tensor:
@@ -263,7 +266,11 @@ class EvictingCache(LayerCache):
         stored = 0 if step.fresh and step.uniform and step.num_tokens >= C else C
         if stored:
             ks, vs, pos = store.view(C)
-            cand_k, cand_v, cand_pos = torch.cat((ks, k), dim=2), torch.cat((vs, v), dim=2), torch.cat((pos, new_pos), dim=2)
+            if store.packed:
+                cand_k, cand_v = ks.with_tail(k), vs.with_tail(v)
+            else:
+                cand_k, cand_v = torch.cat((ks, k), dim=2), torch.cat((vs, v), dim=2)
+            cand_pos = torch.cat((pos, new_pos), dim=2)
         else:
             cand_k, cand_v, cand_pos = k, v, new_pos
         stats = {
@@ -273,10 +280,9 @@ class EvictingCache(LayerCache):
         # The chunk attends the kept slots decoded (what reading their codes gives, at the cost of
         # full-precision attention); the candidates stay packed, so that ``keep`` moves the kept
         # slots' codes as they are and stores the chunk's as ``roundtrip`` computed them.
-        att_k, att_v = (cand_k.decoded(), cand_v.decoded()) if stored and store.packed else (cand_k, cand_v)
-        out, mass, seen = self._attend(q, att_k, att_v, step.positions, cand_pos, step,
-                                       self.sink_queries(q, step))
         c = Candidates(cand_k, cand_v, cand_pos, stats, q, step)
+        out, mass, seen = self._attend(q, c.keys, c.values, step.positions, cand_pos, step,
+                                       self.sink_queries(q, step))
         self._observe(c, mass, seen)
         self._keep(c, stored)
         return out
@@ -286,7 +292,7 @@ class EvictingCache(LayerCache):
         ``stored`` candidates are the kept slots, the rest the chunk. A row that overflows keeps
         ``cache_length - reserve`` of them."""
         C = self.spec.cache_length
-        cand_k, cand_v, cand_pos, stats, step = c.keys, c.values, c.positions, c.stats, c.step
+        cand_k, cand_v, cand_pos, stats, step = c.stored_keys, c.stored_values, c.positions, c.stats, c.step
         prio = self.priority(c).masked_fill(cand_pos < 0, EMPTY)
         total = self.held + step.n_tokens
         over = total > C

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from .. import attention
+from ..quant.packed import after
 from .base import Step
 from .candidates import Candidates
 from .evicting import PROTECTED, EvictingCache
@@ -56,7 +57,7 @@ class RingCache(EvictingCache):
         if self.spec.block > 1:
             return super()._keep(c, stored)
         C, step = self.spec.cache_length, c.step
-        new_k, new_v = c.keys[:, :, stored:], c.values[:, :, stored:]
+        new_k, new_v = after(c.stored_keys, stored), after(c.stored_values, stored)
         keep = step.valid & self._survives(step.positions, step.newest[:, None])
         # new_k, new_v are the chunk as attended (read back from its codes by a quantized storage,
         # whose encoding of a read-back value gives the same codes).

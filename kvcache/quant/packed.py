@@ -2,14 +2,13 @@
 
 A ``PackedKeys`` or ``PackedValues`` describes the first S slots of a layer's buffers as codes
 plus their scales. Attention (kvcache/kernels/) reads it one block of slots at a time and never decodes
-the whole. Anything else that uses it as a tensor (a policy hook reading ``c.keys``, a test)
-gets it decoded on first use: the views take part in torch functions through
-``__torch_function__`` and forward tensor attributes to the decoded tensor, so policies need
-not know the storage.
+the whole. A view is not a tensor: whatever else reads it asks for ``decoded()`` (a policy's
+hooks get decoded keys and values from ``Candidates``), and a torch function given a view fails
+rather than decoding the whole cache unseen.
 
 A view may carry a full-precision ``tail`` (B, Hkv, T, D) after its S slots: the new tokens of
 an evicting cache's chunk, which are attended (and ranked) with the kept slots before any of
-them is placed. ``torch.cat((view, tail), dim=2)`` builds it; ``view[:, :, S:]`` is the tail.
+them is placed. ``with_tail`` builds it.
 
 Shapes: B batch rows, H K/V heads, S slots, D head_dim, Db = D * bits / 8 bytes of codes.
 """
@@ -30,7 +29,12 @@ RESIDUAL = 2  # full precision, in ``residual`` (the open group's newest tokens)
 
 
 class _Packed:
-    """Shared by PackedKeys and PackedValues: the decoded-on-use tensor behaviour."""
+    """Shared by PackedKeys and PackedValues: a view that is not a tensor.
+
+    It has a shape, a device and a dtype; ``decoded()`` reads it back as a tensor and
+    ``with_tail()`` appends new tokens. Nothing else applies to it: a torch function or a
+    tensor method given a packed view fails, so that no code decodes a whole cache by accident.
+    """
 
     codes: torch.Tensor
     dtype: torch.dtype
@@ -43,6 +47,7 @@ class _Packed:
 
     @property
     def shape(self) -> torch.Size:
+        """(B, H, S + T, D): the packed slots, then the tail's T tokens."""
         B, H, S, _ = self.codes.shape
         return torch.Size((B, H, S + (0 if self.tail is None else self.tail.shape[2]), self.head_dim))
 
@@ -52,21 +57,12 @@ class _Packed:
 
     @property
     def requires_grad(self) -> bool:
+        """Whether the view carries a gradient (only its tail can: codes carry none)."""
         return self.tail is not None and self.tail.requires_grad
 
-    def size(self, dim: int | None = None):
-        return self.shape if dim is None else self.shape[dim]
-
-    def dim(self) -> int:
-        return 4
-
     def detach(self):
-        # Codes carry no gradient; only a tail can.
+        """The view with its tail detached."""
         return self if self.tail is None else dataclasses.replace(self, tail=self.tail.detach())
-
-    def data_ptr(self) -> int:
-        """The key (or value) code buffer's: a view is identified with the buffer it reads."""
-        return self.codes.data_ptr()
 
     def decoded(self) -> torch.Tensor:
         """Every slot read back at the model's dtype, the tail appended: (B, H, S + T, D)."""
@@ -74,59 +70,22 @@ class _Packed:
         return out if self.tail is None else torch.cat((out, self.tail.to(out.dtype)), dim=2)
 
     def with_tail(self, tail: torch.Tensor):
+        """The view followed by ``tail`` (B, H, T, D), full-precision tokens not yet placed (an
+        evicting cache's chunk, attended and ranked with the kept slots)."""
         if self.tail is not None:
             tail = torch.cat((self.tail, tail), dim=2)
         return dataclasses.replace(self, tail=tail)
 
-    def __getitem__(self, index):
-        # The tail alone (``c.keys[:, :, stored:]`` in a ring's chunk path) stays as it is.
-        if (self.tail is not None and isinstance(index, tuple) and len(index) == 3
-                and index[0] == slice(None) and index[1] == slice(None)
-                and index[2] == slice(self.slots, None)):
-            return self.tail
-        return self.decoded()[index]
 
-    def __getattr__(self, name: str):
-        # Any other tensor attribute or method: the decoded tensor's.
-        if name.startswith("_") or name in {f.name for f in dataclasses.fields(self)}:
-            raise AttributeError(name)
-        return getattr(self.decoded(), name)
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.cat:
-            tensors = args[0]
-            dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
-            if (len(tensors) == 2 and isinstance(tensors[0], _Packed) and isinstance(tensors[1], torch.Tensor)
-                    and dim in (2, -2)):
-                return tensors[0].with_tail(tensors[1])
-        return func(*_decode_all(args), **_decode_all(kwargs))
-
-
-def _operator(name: str):
-    def op(self, *args):
-        return getattr(self.decoded(), name)(*_decode_all(args))
-
-    op.__name__ = name
-    return op
-
-
-# Arithmetic on a packed view is arithmetic on its decoded tensor (Python looks these up on the
-# type, not through ``__getattr__``).
-for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__",
-              "__rtruediv__", "__matmul__", "__rmatmul__", "__neg__", "__pow__"):
-    setattr(_Packed, _name, _operator(_name))
-
-
-def _decode_all(x):
+def after(x, stored: int) -> torch.Tensor:
+    """The candidates of ``x`` (B, H, N, D) after its first ``stored``: a tensor's slice, or a
+    packed view's tail (the packed slots being the ``stored`` ones)."""
     if isinstance(x, _Packed):
-        return x.decoded()
-    if isinstance(x, (list, tuple)):
-        return type(x)(_decode_all(a) for a in x)
-    if isinstance(x, dict):
-        return {k: _decode_all(a) for k, a in x.items()}
-    return x
+        if x.slots != stored or x.tail is None:
+            raise ValueError(f"a packed view of {x.slots} slots and a tail of "
+                             f"{0 if x.tail is None else x.tail.shape[2]} has no tokens after {stored}")
+        return x.tail
+    return x[:, :, stored:]
 
 
 @dataclass(eq=False)

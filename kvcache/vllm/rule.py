@@ -42,7 +42,7 @@ class BlockRule:
         sinks = min(n, -(-self.layer.sinks() // N) * N)
         tail = max(sinks, n - C - N)
         positions = torch.cat((torch.arange(sinks), torch.arange(tail, n)))[None, None]  # (1, 1, M)
-        c = Candidates(keys=None, values=None, positions=positions, stats={}, queries=None, step=None)
+        c = Candidates(stored_keys=None, stored_values=None, positions=positions, stats={}, queries=None, step=None)
         priority, _ = keep_whole_blocks(self.layer.priority(c), positions, N, n - 1, torch.tensor([C]))
         kept = positions[priority == 0]
         return tuple(sorted(set((kept // N).tolist())))

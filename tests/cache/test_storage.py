@@ -124,7 +124,10 @@ def test_storage_contract(name, seed):
     new_k, new_v = rand(B, H, 4, D), rand(B, H, 4, D)
     rk, rv = store.roundtrip(new_k, new_v)
     ks, vs, _ = store.view(C)
-    cand_k, cand_v = torch.cat((ks, rk), dim=2), torch.cat((vs, rv), dim=2)
+    if store.packed:
+        cand_k, cand_v = ks.with_tail(rk), vs.with_tail(rv)
+    else:
+        cand_k, cand_v = torch.cat((ks, rk), dim=2), torch.cat((vs, rv), dim=2)
     cand_pos = torch.cat((before_pos, torch.arange(11, 15, device=DEVICE).expand(B, H, 4)), dim=2)
     index = torch.stack([torch.randperm(C + 4, generator=gen).to(DEVICE)[:C] for _ in range(B * H)]).view(B, H, C)
     store.keep(cand_k, cand_v, cand_pos, index, stored=C)

@@ -92,7 +92,7 @@ def test_weights_mass_and_seen_match_full_precision(name, sink):
     new_k = torch.randn(2, 2, 6, 16, generator=gen).to(DEVICE)
     new_v = torch.randn(2, 2, 6, 16, generator=gen).to(DEVICE)
     new_pos = torch.arange(41, 47, device=DEVICE).expand(2, 2, 6)
-    k, v = torch.cat((k, new_k), dim=2), torch.cat((v, new_v), dim=2)
+    k, v = k.with_tail(new_k), v.with_tail(new_v)
     assert isinstance(k, PackedKeys) and k.shape == (2, 2, 31, 16)
     kd, vd = torch.cat((kd, new_k), dim=2), torch.cat((vd, new_v), dim=2)
     pos = torch.cat((pos, new_pos), dim=2)
@@ -106,7 +106,7 @@ def test_weights_mass_and_seen_match_full_precision(name, sink):
     want = attention.masked_with_weights(q, kd, vd, q_pos, pos, weight, **rule)
     for a, b in zip(got, want):
         assert a.shape == b.shape and (a - b).abs().max() <= ATOL
-    assert torch.equal(k[:, :, 25:], new_k)  # the chunk's tokens, as given
+    assert torch.equal(k.tail, new_k)  # the chunk's tokens, as given
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
@@ -143,14 +143,19 @@ def test_causal_matches_full_precision(name):
         assert (got - want).abs().max() <= ATOL
 
 
-def test_packed_views_decode_on_use_only():
-    """Anything but attention gets the decoded tensor: torch functions, methods, indexing."""
+def test_packed_views_are_not_tensors():
+    """A packed view decodes only when asked (``decoded()``); a torch function, a tensor method,
+    indexing or arithmetic given a view fails instead of decoding the whole cache unseen."""
     store = filled("kivi4/4")
     k, v, _ = store.view(24)
     dense = k.decoded()
-    assert torch.equal(torch.linalg.vector_norm(k, dim=-1), torch.linalg.vector_norm(dense, dim=-1))
-    assert torch.equal(k.float(), dense) and torch.equal(k[:, 1], dense[:, 1]) and torch.equal(2 * k, 2 * dense)
     assert k.detach() is k and k.shape == dense.shape and k.dtype == torch.float32
+    tail = torch.randn(2, 2, 3, 16, device=DEVICE)
+    assert torch.equal(k.with_tail(tail).decoded(), torch.cat((dense, tail), dim=2))
+    for use in (lambda: torch.linalg.vector_norm(k, dim=-1), lambda: k.float(), lambda: k[:, 1],
+                lambda: 2 * k, lambda: torch.cat((k, tail), dim=2)):
+        with pytest.raises((TypeError, AttributeError)):
+            use()
 
 
 @pytest.mark.parametrize("policy", ["dense:int4", "h2o:int4", "h2o:int2", "window:int8", "tova:int4"])

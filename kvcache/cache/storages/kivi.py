@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ...quant.codes import encode_tokens, pack, quantize, unpack
-from ...quant.packed import CHANNEL, RESIDUAL, TOKEN, PackedKeys, PackedValues
+from ...quant.packed import CHANNEL, RESIDUAL, TOKEN, PackedKeys, PackedValues, after
 from ..base import CacheSpec
 from .token import TokenStorage
 
@@ -248,7 +248,7 @@ class KiviStorage(TokenStorage):
         B, H = self.k.shape[:2]
         C, dev = index.shape[-1], self.k.device
         idx = index.expand(B, H, C)
-        new_k = k[:, :, stored:]
+        new_k = after(k, stored)
         # Values, and every key's per-token codes (a new token's from its full-precision key).
         super().keep(k, v, pos, index, stored)
         NEW = 255

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ...quant.codes import decode_tokens, encode_tokens
-from ...quant.packed import PackedKeys, PackedValues
+from ...quant.packed import PackedKeys, PackedValues, after
 from ..base import CacheSpec
 
 
@@ -127,7 +127,7 @@ class TokenStorage:
         """Fill slots [0, C) with candidates ``index`` (B, Hp, C) of k, v (B, Hkv, N, D), pos
         (B, Hp, N). Candidates [0, stored) are this storage's slots [0, stored) (their codes are
         taken as they are); the rest are new tokens, encoded here."""
-        fresh = self._encoded(k[:, :, stored:], v[:, :, stored:])
+        fresh = self._encoded(after(k, stored), after(v, stored))
         for buf, new in zip(self._buffers(), fresh):
             buf[:, :, : index.shape[-1]] = _gather_candidates(buf, new, stored, index)
         self.pos[:, :, : index.shape[-1]] = pos.gather(2, index)
