@@ -36,7 +36,7 @@ class Storage(Protocol):
       * ``view`` returns what attention reads. Full precision (``packed`` False): the buffers
         themselves, so writing into the view writes the cache. Quantized (``packed`` True):
         ``PackedKeys`` and ``PackedValues`` (quant/packed.py) that refer to the codes without
-        copying them; attention reads them block by block and anything else decodes them on use.
+        copying them; attention reads them block by block, anything else asks for ``decoded()``.
       * ``roundtrip(k, v)`` is how a chunk attends its new tokens before they are placed. With
         ``exact_roundtrip`` it is exactly what ``view`` will return once they are stored, and
         storing a round-tripped value gives the codes the original gave, so a token is never
