@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -22,9 +23,9 @@ PROMPT_TOKENS = [8, 5]  # ragged, and past the evicting caches' budget
 
 
 def _other(llama: kvcache.Transformer, seed: int = 0, **changes) -> kvcache.Transformer:
-    """A random model like ``llama`` but for ``changes`` to its config."""
+    """A random model like ``llama`` (on its device) but for ``changes`` to its config."""
     torch.manual_seed(seed)
-    return kvcache.Transformer(dataclasses.replace(llama.config, **changes)).eval()
+    return kvcache.Transformer(dataclasses.replace(llama.config, **changes)).eval().to(DEVICE)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,7 @@ def mismatched(llama):
         "kv heads": (_other(llama, num_kv_heads=4), r"K/V heads 2 \(cache\) vs 4 \(model\)"),
         "head size": (_other(llama, head_dim=8), r"head_dim 16 \(cache\) vs 8 \(model\)"),
         "dtype": (copy.deepcopy(llama).to(torch.bfloat16), r"dtype torch.float32 \(cache\) vs torch.bfloat16"),
-        "device": (copy.deepcopy(llama).to("meta"), r"device cpu \(cache\) vs meta \(model\)"),
+        "device": (copy.deepcopy(llama).to("meta"), rf"device {re.escape(str(DEVICE))} \(cache\) vs meta \(model\)"),
     }
 
 
@@ -80,7 +81,7 @@ def test_every_difference_is_named(llama):
         other(random_ids(2), cache)
     for words in ("layers 2", "K/V heads 2", "head_dim 16", "dtype torch.float32"):
         assert words in str(err.value)
-    assert "device cpu" not in str(err.value)
+    assert f"device {DEVICE}" not in str(err.value)
 
 
 @pytest.mark.parametrize("bad", [VOCAB, 8192, -1])
