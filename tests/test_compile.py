@@ -152,7 +152,7 @@ def test_half_precision_captured_step_is_as_close_to_float32_as_eager(tiny, dtyp
 
     half = kvcache.Transformer(tiny.config)
     half.load_state_dict(tiny.state_dict())
-    half = half.to(dtype).eval()
+    half = half.to(DEVICE, dtype).eval()
     with torch.inference_mode():
         reference = decode_logits(tiny, eager_step)
         plain = half(ids)[0, 16:].float()

@@ -239,7 +239,7 @@ def test_token_ids_outside_vocabulary_name_ids_and_vocab_size(llama):
 def short_context(llama):
     """A model like ``llama`` configured for positions 0..7 only."""
     torch.manual_seed(0)
-    return kvcache.Transformer(dataclasses.replace(llama.config, max_position_embeddings=8)).eval()
+    return kvcache.Transformer(dataclasses.replace(llama.config, max_position_embeddings=8)).eval().to(DEVICE)
 
 
 def _position_warnings(record) -> list[str]:

@@ -289,7 +289,7 @@ def test_window_equals_model_level_sliding_window(llama):
     C = 7
     ref = kvcache.Transformer(dataclasses.replace(llama.config, sliding_window=C))
     ref.load_state_dict(llama.state_dict())
-    ref.eval()
+    ref.to(DEVICE).eval()
     ids = ids_for(40, batch=2, seed=8, vocab=VOCAB)
     with torch.inference_mode():
         expected = ref(ids)
