@@ -105,14 +105,17 @@ def policies_run(device: str, quick: bool) -> list[str]:
             "--cache-length", "2048", "--prompt", "8192", "--steps", steps, "--repeats", repeats]
 
 
-def packed_run(device: str, quick: bool) -> list[str]:
+def packed_runs(device: str, quick: bool) -> dict[str, list[str]]:
+    """quantized.py command lines: the layer, then the model (run apart, so that one failing keeps the other)."""
     if device == "cpu":
-        return ["--device", "cpu", "--parts", "layer,model", "--storages", "int8,int4", "--batch", "2",
-                "--speed-tokens", "1024", "--steps", "2", "--repeats", "1", "--new-tokens", "3", "--model", "tiny"]
-    steps, repeats, new = ("8", "2", "8") if quick else ("16", "3", "16")
-    return ["--device", device, "--dtype", "bfloat16", "--parts", "layer,model", "--storages", "int8,int4,int2",
-            "--batch", "16", "--speed-tokens", "32768", "--steps", steps, "--repeats", repeats, "--new-tokens", new,
-            "--model", "1B"]
+        common = ["--device", "cpu", "--storages", "int8,int4", "--batch", "2", "--speed-tokens", "1024",
+                  "--steps", "2", "--repeats", "1", "--new-tokens", "3", "--model", "tiny"]
+    else:
+        steps, repeats, new = ("8", "2", "8") if quick else ("16", "3", "16")
+        common = ["--device", device, "--dtype", "bfloat16", "--storages", "int8,int4,int2", "--batch", "16",
+                  "--speed-tokens", "32768", "--steps", steps, "--repeats", repeats, "--new-tokens", new,
+                  "--model", "1B"]
+    return {"layer": common + ["--parts", "layer"], "model": common + ["--parts", "model"]}
 
 
 def drift_setup(device: str) -> tuple[list[str], drift.Setup]:
@@ -175,10 +178,19 @@ def run_policies(device: str, quick: bool) -> dict:
 
 
 def run_packed(device: str, quick: bool) -> dict:
-    argv = packed_run(device, quick)
-    command = "python benchmarks/quantized.py " + " ".join(argv)
-    log(command)
-    return {"command": command, **quantized.run(quantized.parser().parse_args(argv), fail)}
+    """The layer and the model figures; a sub-part that fails leaves its traceback under ``errors``."""
+    out: dict = {"commands": [], "errors": {}}
+    for sub, argv in packed_runs(device, quick).items():
+        out["commands"].append("python benchmarks/quantized.py " + " ".join(argv))
+        log(out["commands"][-1])
+        try:
+            result = quantized.run(quantized.parser().parse_args(argv), fail)
+        except Exception:
+            out["errors"][sub] = traceback.format_exc()
+            log(f"packed {sub} failed:\n{out['errors'][sub]}")
+            continue
+        out.update({key: value for key, value in result.items() if key in ("layer_speed", "model_speed")})
+    return out
 
 
 def run_drift(device: str, quick: bool) -> dict:
@@ -356,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
         except Exception:  # a part that crashes is reported; the others still run
             report["errors"][part] = traceback.format_exc()
             log(f"{part} failed:\n{report['errors'][part]}")
+        # A part whose sub-parts ran apart (packed) lists what failed in its own errors.
+        for sub, error in report.get(part, {}).get("errors", {}).items():
+            report["errors"][f"{part} {sub}"] = error
         report.setdefault("part_seconds", {})[part] = round(time.perf_counter() - part_start, 1)
         decode.free_memory(device)
         report["floors"] = floors(report)
