@@ -613,9 +613,11 @@ def parse_device(value: str, error) -> torch.device:
     return device
 
 
-def run(args, error) -> dict:
+def run(args, error, on_cell=None) -> dict:
     """The benchmark of the parsed ``args`` (main's options) as one JSON-ready dict; ``error(message)``
-    reports a bad option (argparse's ``parser.error``, or one that raises)."""
+    reports a bad option (argparse's ``parser.error``, or one that raises). ``on_cell(name, figures)``,
+    if given, is called as each cell (shape and batch) is measured, so a caller keeps what a later
+    failure would lose."""
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:
@@ -688,6 +690,8 @@ def run(args, error) -> dict:
                     # Batch 1 keeps the shape's own name, as before batches were measured.
                     cell = name if batch == 1 else f"{name}/b{batch}"
                     result["shapes"][cell] = bench_shape(name, hf, kv, bandwidth, args, batch)
+                    if on_cell is not None:
+                        on_cell(cell, result["shapes"][cell])
             del hf, kv
             free_memory(device)
 

@@ -159,12 +159,26 @@ def run_suite(device: str, quick: bool, out: Path) -> dict:
     return result
 
 
-def run_decode(device: str, quick: bool) -> dict:
-    out = {"commands": [], "bandwidth_GBps": [], "cells": {}}
+def run_decode(device: str, quick: bool, out: dict, save) -> dict:
+    """Every cell into ``out``, ``save()`` after each; a command line that fails leaves its traceback
+    under ``errors`` and the others run."""
+    out.update({"commands": [], "bandwidth_GBps": [], "cells": {}, "errors": {}})
+
+    def on_cell(name: str, figures: dict) -> None:
+        out["cells"][name] = figures
+        save()
+
     for argv in decode_runs(device, quick):
-        out["commands"].append("python benchmarks/decode.py " + " ".join(argv))
-        log(out["commands"][-1])
-        result = decode.run(decode.parser().parse_args(argv), fail)
+        command = "python benchmarks/decode.py " + " ".join(argv)
+        out["commands"].append(command)
+        log(command)
+        try:
+            result = decode.run(decode.parser().parse_args(argv), fail, on_cell)
+        except Exception:
+            out["errors"][command.split("--shapes ")[1].split()[0]] = traceback.format_exc()
+            log(f"decode failed:\n{traceback.format_exc()}")
+            decode.free_memory(decode.parse_device(device, fail))
+            continue
         out["bandwidth_GBps"].append(result["bandwidth_GBps"])
         out["cells"].update(result["shapes"])
     return out
@@ -356,8 +370,16 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.set_verbosity_error()
     report: dict = {"meta": meta(device, args.quick), "errors": {}}
     start = time.perf_counter()
+
+    def save() -> None:
+        """Both files as the report stands (after every part, and after every decode cell)."""
+        report["floors"] = floors(report)
+        report["seconds"] = round(time.perf_counter() - start, 1)
+        json_path.write_text(json.dumps(report, indent=2) + "\n")
+        md_path.write_text(markdown(report) + "\n")
+
     runners = {"suite": lambda: run_suite(args.device, args.quick, args.out),
-               "decode": lambda: run_decode(args.device, args.quick),
+               "decode": lambda: run_decode(args.device, args.quick, report.setdefault("decode", {}), save),
                "policies": lambda: run_policies(args.device, args.quick),
                "packed": lambda: run_packed(args.device, args.quick),
                "drift": lambda: run_drift(args.device, args.quick)}
@@ -373,10 +395,7 @@ def main(argv: list[str] | None = None) -> int:
             report["errors"][f"{part} {sub}"] = error
         report.setdefault("part_seconds", {})[part] = round(time.perf_counter() - part_start, 1)
         decode.free_memory(device)
-        report["floors"] = floors(report)
-        report["seconds"] = round(time.perf_counter() - start, 1)
-        json_path.write_text(json.dumps(report, indent=2) + "\n")
-        md_path.write_text(markdown(report) + "\n")
+        save()
     log(f"wrote {json_path} and {md_path} ({report['seconds']} s)")
     print(markdown(report))
     suite_failed = "suite" in report and report["suite"]["returncode"] != 0
