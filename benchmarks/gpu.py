@@ -2,7 +2,7 @@
 policies under compile and packed-code attention, each benchmark the script of its own name
 (benchmarks/decode.py, policies.py, quantized.py) called in this process with the options this
 script records next to its figures. Writes one JSON and one markdown table; the JSON is rewritten
-after every part, so a run cut short keeps what it measured.
+after every part and every decode cell, so a run cut short keeps what it measured.
 
 Parts (``--parts``, default all, in this order):
     suite     ``KVCACHE_TEST_DEVICE=<device> python -m pytest -q tests``: counts and failures.
