@@ -1,7 +1,7 @@
 """Every GPU figure of docs/gpu.md in one command: the test suite on the device, then decode,
-policies under compile and packed-code attention, each benchmark the script of its own name
-(benchmarks/decode.py, policies.py, quantized.py) called in this process with the options this
-script records next to its figures. Writes one JSON and one markdown table; the JSON is rewritten
+policies under compile, packed-code attention and drift, each benchmark the script (or module) of
+its own name (benchmarks/decode.py, policies.py, quantized.py, kvcache.drift) called in this
+process with the options this script records next to its figures. Writes one JSON and one markdown table; the JSON is rewritten
 after every part and every decode cell, so a run cut short keeps what it measured.
 
 Parts (``--parts``, default all, in this order):
