@@ -420,8 +420,7 @@ def read_bandwidth(nbytes: int, repeats: int = 7, device: torch.device = torch.d
     if device.type == "cuda":
         inner = max(inner, 10)  # a GPU reads 1 GiB in well under a millisecond
     t = best_time(lambda: x.sum(), repeats, inner, device)
-    del x
-    return nbytes / t
+    return nbytes / t  # x is freed on return
 
 
 def linear_ceiling(kv_model, context: int | None, repeats: int = 5, batch: int = 1) -> float:
