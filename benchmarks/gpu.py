@@ -390,8 +390,9 @@ def main(argv: list[str] | None = None) -> int:
         except Exception:  # a part that crashes is reported; the others still run
             report["errors"][part] = traceback.format_exc()
             log(f"{part} failed:\n{report['errors'][part]}")
-        # A part whose sub-parts ran apart (packed) lists what failed in its own errors.
-        for sub, error in report.get(part, {}).get("errors", {}).items():
+        # A part whose runs are kept apart (decode, packed) lists the tracebacks of those that failed.
+        part_errors = report.get(part, {}).get("errors") if part in ("decode", "packed") else None
+        for sub, error in (part_errors or {}).items():
             report["errors"][f"{part} {sub}"] = error
         report.setdefault("part_seconds", {})[part] = round(time.perf_counter() - part_start, 1)
         decode.free_memory(device)
