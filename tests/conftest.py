@@ -7,9 +7,10 @@ session temporary directory and loaded back with kvcache. Nothing is downloaded.
 The device. ``KVCACHE_TEST_DEVICE`` (``cpu``, the default, or ``cuda`` / ``cuda:N``) names the device
 every test builds its models, ids and caches on: through the ``device`` fixture, ``DEVICE``,
 ``random_ids`` and the model fixtures here. A device that is not there fails the run at start-up
-(it never falls back to the CPU). Tests that are CPU-only by nature (command-line subprocesses,
-gloo process groups, vLLM's CPU build, file formats) carry ``pytest.mark.cpu_only`` with the
-reason, and run on the CPU whatever the variable says; ``-m "not cpu_only"`` leaves them out.
+(it never falls back to the CPU). Tests that are CPU-only by nature (the command line, gloo
+process groups, Ray's workers, vLLM's CPU build, a resident-set measurement) carry
+``pytest.mark.cpu_only`` with the reason, and run on the CPU whatever the variable says;
+``-m "not cpu_only"`` leaves them out.
 
 Tolerances. ``TOLERANCES`` is the one per-dtype table of the largest max-abs difference each kind
 of comparison accepts; ``atol(kind, dtype)`` reads it.
