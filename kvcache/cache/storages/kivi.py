@@ -27,6 +27,9 @@ from .token import TokenStorage
 
 # Queries per fused call of ``KiviStorage.attend_chunk``: their mask (queries x slots) stays small.
 CHUNK_QUERIES = 256
+# The per-token scale of a key kept per channel: its per-token meta is never read, so the mark
+# (scales are never negative) says the slot's mode instead of a mode byte per slot.
+CHANNEL_MARK = -1.0
 
 
 class KiviStorage(TokenStorage):
@@ -34,9 +37,12 @@ class KiviStorage(TokenStorage):
     consecutive slots, with a full-precision residual (module docstring).
 
     k, v, k_meta, v_meta, pos: as ``TokenStorage``; ``k_meta`` holds each key's per-token scale
-                  and zero point (one group of channels), used by slots in TOKEN mode.
-    k_mode:       (B, Hkv, C + 1) uint8: CHANNEL, TOKEN or RESIDUAL (quant/packed.py); values
-                  of RESIDUAL slots are read at full precision too, the others from their codes.
+                  and zero point (one group of channels), used by slots in TOKEN mode, and
+                  ``CHANNEL_MARK`` for a key kept per channel.
+    k_mode:       (B, Hkv, C + 1) uint8, derived (``modes``), not stored: RESIDUAL for the
+                  slots of each row's open group, CHANNEL where ``k_meta`` holds the mark,
+                  TOKEN elsewhere (quant/packed.py). Values of RESIDUAL slots are read at full
+                  precision too, the others from their codes.
     k_channel:    (B, Hkv, C // group + 1, 2, D) fp16: per-channel scale and zero point of each
                   group of slots (only whole groups are used: a group cut short by the end of
                   the cache, and the scratch slot, keep their keys per token).
@@ -74,7 +80,6 @@ class KiviStorage(TokenStorage):
         dev = spec.device
         self.key_group = group
         self.k_meta = torch.zeros(B, H, C + 1, 2, dtype=torch.float16, device=dev)
-        self.k_mode = torch.full((B, H, C + 1), TOKEN, dtype=torch.uint8, device=dev)
         self.k_channel = torch.zeros(B, H, C // group + 1, 2, D, dtype=torch.float16, device=dev)
         self.k_residual = torch.zeros(B, H, group, D, dtype=spec.dtype, device=dev)
         self.v_residual = torch.zeros_like(self.k_residual)
@@ -84,6 +89,25 @@ class KiviStorage(TokenStorage):
         # (stage_k, stage_v, stage_of, seal_pos), see PackedKeys. Not state: a view of the
         # next attention call only.
         self._staged: tuple[torch.Tensor, ...] | None = None
+
+    def modes(self, span: int) -> torch.Tensor:
+        """Each key's layout in slots [0, span): (B, Hkv, span) uint8 CHANNEL, TOKEN or RESIDUAL."""
+        slot = torch.arange(span, device=self.k.device)
+        start = self.res_start[:, None]
+        resid = (self.fill[:, None] > 0) & (slot >= start) & (slot < start + self.fill[:, None])  # (B, span)
+        channel = self.k_meta[:, :, :span, 0] < 0
+        mode = torch.where(channel, CHANNEL, TOKEN)
+        return torch.where(resid[:, None], RESIDUAL, mode).to(torch.uint8)
+
+    @property
+    def k_mode(self) -> torch.Tensor:
+        """Every slot's key layout (``modes``): (B, Hkv, C + 1) uint8."""
+        return self.modes(self.pos.shape[2])
+
+    def _mark_channel(self, where: torch.Tensor, j0: int = 0) -> None:
+        """Mark the keys of slots [j0, j0 + n) where ``where`` (B, Hkv, n) is set as per channel."""
+        meta = self.k_meta[:, :, j0 : j0 + where.shape[-1]]
+        meta.copy_(torch.where(where[..., None], CHANNEL_MARK, meta))
 
     @property
     def whole_groups(self) -> int:
@@ -116,7 +140,6 @@ class KiviStorage(TokenStorage):
         if start == C:
             # The scratch slot (a scoring policy's decode step stages its token there): per token.
             super().write_slice(start, k, v, positions)
-            self.k_mode[:, :, C] = TOKEN
             return
         self.write(torch.arange(start, start + T, device=self.k.device).expand(B, T), k, v, positions)
 
@@ -126,9 +149,8 @@ class KiviStorage(TokenStorage):
         the residual instead, and a group it completes is quantized per channel."""
         self._staged = None
         slots = slots.to(self.k.device)
+        # Per-token meta for every written key: each is TOKEN unless it lies in the open group.
         super().write(slots, k, v, positions)
-        H = self.k.shape[1]
-        self.k_mode.scatter_(2, slots[:, None, :].expand(-1, H, -1), TOKEN)
         if not self.whole_groups:
             return
         if slots.shape[1] == 1:
@@ -147,15 +169,12 @@ class KiviStorage(TokenStorage):
         cont = real & open_ & (group * G == self.res_start) & (offset == self.fill)
         starts = real & (offset == 0) & (group < NG)
         resid = cont | starts
+        # An abandoned group's slots fall back to the per-token codes written with them (their
+        # mode follows res_start and fill).
         abandon = real & open_ & ~cont
-        # An abandoned group's slots fall back to the per-token codes written with them.
-        was_resid = (self.k_mode == RESIDUAL) & abandon[:, None, None]
-        self.k_mode.masked_fill_(was_resid, TOKEN)
         index = offset.clamp(max=G - 1)[:, None, None, None].expand(B, H, 1, D)
         for buf, x in ((self.k_residual, k), (self.v_residual, v)):
             buf.scatter_(2, index, torch.where(resid[:, None, None, None], x[:, :, None].to(buf.dtype), buf.gather(2, index)))
-        at = s.clamp(max=C)[:, None, None].expand(B, H, 1)
-        self.k_mode.scatter_(2, at, torch.where(resid[:, None, None], RESIDUAL, self.k_mode.gather(2, at)))
         fill = torch.where(resid, offset + 1, torch.where(abandon, 0, self.fill))
         res_start = torch.where(resid, group * G, torch.where(abandon, -1, self.res_start))
         seal = resid & (offset == G - 1)
@@ -165,8 +184,8 @@ class KiviStorage(TokenStorage):
         slots = (g[:, None] * G + torch.arange(G, device=s.device))[:, None, :, None]  # (B, 1, G, 1)
         idx = slots.expand(B, H, G, self.k.shape[-1])
         self.k.scatter_(2, idx, torch.where(seal[:, None, None, None], pack(q, self.bits), self.k.gather(2, idx)))
-        midx = slots[..., 0].expand(B, H, G)
-        self.k_mode.scatter_(2, midx, torch.where(seal[:, None, None], CHANNEL, self.k_mode.gather(2, midx)))
+        midx = slots.expand(B, H, G, 2)
+        self.k_meta.scatter_(2, midx, torch.where(seal[:, None, None, None], CHANNEL_MARK, self.k_meta.gather(2, midx)))
         cidx = g[:, None, None, None, None].expand(B, H, 1, 2, D)
         meta = torch.cat((scale, zero), 2).unsqueeze(2)  # (B, H, 1, 2, D)
         self.k_channel.scatter_(2, cidx, torch.where(seal[:, None, None, None, None], meta, self.k_channel.gather(2, cidx)))
@@ -179,10 +198,9 @@ class KiviStorage(TokenStorage):
         B, H, T, D = k.shape
         G, dev = self.key_group, self.k.device
         res_start, fill = self.res_start.cpu(), self.fill.cpu()
+        # An abandoned group falls back to per-token keys, an open one is RESIDUAL: both follow
+        # res_start and fill, set at the end.
         plan = _Runs(slots.cpu(), self.pos.shape[2] - 1, G, self.whole_groups, res_start, fill)
-        for b in plan.abandon.nonzero().flatten().tolist():
-            start, n = int(res_start[b]), int(fill[b])
-            self.k_mode[b, :, start : start + n] = TOKEN
         if plan.runs:
             NS = plan.runs
             index = torch.where(plan.resid, plan.run * G + plan.offset, NS * G).to(dev)  # (B, T)
@@ -200,8 +218,6 @@ class KiviStorage(TokenStorage):
             for b, r in enumerate(plan.open_run):
                 if r >= 0:
                     self.k_residual[b], self.v_residual[b] = stages[0][b, :, r], stages[1][b, :, r]
-                    start = int(plan.res_start[b])
-                    self.k_mode[b, :, start : start + int(plan.fill[b])] = RESIDUAL
             if bs.numel():
                 NB = self.k_channel.shape[2]
                 stage_of = torch.full((B, NB), -1, dtype=torch.long, device=dev)
@@ -223,7 +239,7 @@ class KiviStorage(TokenStorage):
         slot = g_idx[:, None] * G + torch.arange(G, device=dev)  # (n, G)
         rows = b_idx[:, None].expand_as(slot)
         self.k[rows, :, slot] = pack(q, self.bits).transpose(1, 2)  # (n, G, H, Db)
-        self.k_mode[rows, :, slot] = CHANNEL
+        self.k_meta[rows, :, slot] = CHANNEL_MARK
 
     # ----- moves: settle and keep --------------------------------------------------------------
     def settle(self, dst: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
@@ -233,11 +249,10 @@ class KiviStorage(TokenStorage):
         self._staged = None
         G = self.key_group
         hit = (self.fill > 0) & ((dst // G) * G == self.res_start[:, None, None]).flatten(1).any(1)
-        self.k_mode.masked_fill_((self.k_mode == RESIDUAL) & hit[:, None, None], TOKEN)
         self.fill.masked_fill_(hit, 0)
         self.res_start.masked_fill_(hit, -1)
+        # The scratch slot's per-token meta moves with it: the token is TOKEN where it lands.
         super().settle(dst, k, v, positions)
-        self.k_mode.scatter_(2, dst.expand(-1, self.k.shape[1], -1), TOKEN)
 
     def keep(self, k, v, pos: torch.Tensor, index: torch.Tensor, stored: int = 0) -> None:
         """As ``TokenStorage.keep``. Per destination slot: a per-channel key that stays in its slot
@@ -249,12 +264,12 @@ class KiviStorage(TokenStorage):
         C, dev = index.shape[-1], self.k.device
         idx = index.expand(B, H, C)
         new_k = after(k, stored)
-        # Values, and every key's per-token codes (a new token's from its full-precision key).
-        super().keep(k, v, pos, index, stored)
         NEW = 255
         src_mode = torch.full((B, H, C), NEW, dtype=torch.uint8, device=dev)
         if stored:
-            src_mode = torch.where(idx < stored, self.k_mode.gather(2, idx.clamp(max=stored - 1)), src_mode)
+            src_mode = torch.where(idx < stored, self.modes(stored).gather(2, idx.clamp(max=stored - 1)), src_mode)
+        # Values, and every key's per-token codes (a new token's from its full-precision key).
+        super().keep(k, v, pos, index, stored)
         slot = torch.arange(C, device=dev)
         moved = (src_mode == CHANNEL) & (idx != slot)
         if bool(moved.any()):
@@ -267,7 +282,7 @@ class KiviStorage(TokenStorage):
             whole = (src_mode[..., : NG * G] == NEW).view(B, H, NG, G).all(-1)  # (B, H, NG)
             if bool(whole.any()):
                 self._seal_new(new_k, idx[..., : NG * G] - stored, whole, mode)
-        self.k_mode[:, :, :C] = mode
+        self._mark_channel(mode == CHANNEL)
         self.res_start.fill_(-1)
         self.fill.zero_()
 
@@ -313,7 +328,7 @@ class KiviStorage(TokenStorage):
         """The first ``span`` slots, packed: per-channel, per-token and residual keys as the
         slots hold them, and what the last write completed for queries that preceded it."""
         stage_k, stage_v, stage_of, seal_pos = self._staged if self._staged is not None else (None,) * 4
-        mode = self.k_mode[:, :, :span]
+        mode = self.modes(span)
         shared = dict(mode=mode, group=self.key_group, res_start=self.res_start, stage_of=stage_of, seal_pos=seal_pos)
         keys = PackedKeys(self.k[:, :, :span], self.k_meta[:, :, :span], self.bits, self.head_dim, self.dtype,
                           channel=self.k_channel, residual=self.k_residual, stage=stage_k, **shared)
@@ -404,13 +419,13 @@ class KiviStorage(TokenStorage):
 
     def reset(self) -> None:
         super().reset()
-        self.k_mode.fill_(TOKEN)
+        self.k_meta.zero_()
         self.res_start.fill_(-1)
         self.fill.zero_()
         self._staged = None
 
     def buffers(self) -> dict[str, torch.Tensor]:
-        return {**super().buffers(), "k_mode": self.k_mode, "k_channel": self.k_channel,
+        return {**super().buffers(), "k_channel": self.k_channel,
                 "k_residual": self.k_residual, "v_residual": self.v_residual, "res_start": self.res_start,
                 "fill": self.fill}
 
