@@ -16,6 +16,9 @@ Scoring policies (``supports_reserve``) compress the first chunk once and then g
 that follow (``reserve``), as kvpress's cache grows; ring policies (window, sink) keep the kept
 count and evict as tokens arrive. Dense is the reference: it keeps everything (ratio 0).
 Policies get the options their paper sets at the kept count (``budget_options``).
+A policy that scores the context by reconstructing it (kvzip) compresses the first chunk through
+``kvcache.kvzip``'s pass (the whole chunk in one pass, repeated after KVzip's prompt), then takes
+the rest and decodes greedily, as ``generate`` does.
 """
 
 from __future__ import annotations
@@ -29,9 +32,11 @@ import torch
 
 from ..cache.registry import budget_options, make_cache, policy_class
 from ..generate import generate
+from ..kvzip import generate as generate_after_reconstruction
+from ..kvzip import repeat_ids
 from . import dataset as ds
 from . import ruler
-from .sample import Sample, encode
+from .sample import Sample, chat_parts, encode
 from .scoring import score
 
 PROTOCOLS = ("query_agnostic", "query_aware")
@@ -99,6 +104,11 @@ def keeps_all(policy: str) -> bool:
     return not policy_class(policy).evicts
 
 
+def reconstructs(policy: str) -> bool:
+    """Whether the policy scores a context by a reconstruction pass (kvcache.kvzip)."""
+    return getattr(policy_class(policy), "reconstructs", False)
+
+
 def cell_samples(tokenizer, cell: Cell, bench: Bench) -> list[Sample]:
     if bench.benchmark == "dataset":
         records = [s for s in ds.read(bench.dataset) if s.task == cell.task]
@@ -131,7 +141,14 @@ def run_sample(model, tokenizer, sample: Sample, policy: str, ratio: float, prot
     first = len(enc.context) + (len(enc.question) if protocol == "query_aware" else 0)
     total = len(enc) + sample.max_new_tokens
     cache = make_cell_cache(model, policy, ratio, first, total)
-    new = generate(model, enc.ids, max_new_tokens=sample.max_new_tokens, cache=cache, prefill_chunk=first)
+    if ratio > 0 and reconstructs(policy):
+        ids = enc.ids
+        closing = chat_parts(tokenizer)[1] if chat else "\n"
+        new = generate_after_reconstruction(
+            model, cache, ids[:first], ids[first:] or None, repeat=repeat_ids(tokenizer, closing),
+            max_new_tokens=sample.max_new_tokens, chunk=None)[0]
+    else:
+        new = generate(model, enc.ids, max_new_tokens=sample.max_new_tokens, cache=cache, prefill_chunk=first)
     prediction = tokenizer.decode(new)
     return {"index": sample.index, "tokens": len(enc), "compressed": first, "generated": len(new),
             "prediction": prediction, "answers": list(sample.answers), "metric": sample.metric,

@@ -140,6 +140,12 @@ def _sweep(args, kind: str, out: Path, dtype: torch.dtype | None, progress: bool
     print(f"wrote {out}/: {', '.join(written)}", file=sys.stderr)
 
 
+def _registered() -> dict[str, str]:
+    from ..cache.registry import policies
+
+    return policies()
+
+
 def _passkey(args, out: Path, dtype: torch.dtype | None, progress: bool) -> None:
     from ..evaluate import Grid, evaluate, markdown
     from ..tasks import read_texts
@@ -151,6 +157,13 @@ def _passkey(args, out: Path, dtype: torch.dtype | None, progress: bool) -> None
     overrides = {k: getattr(args, k) for k in ("policies", "budgets", "lengths", "depths", "trials",
                                                "stream_tokens") if getattr(args, k) is not None}
     grid = Grid(**{**grid.__dict__, **overrides})
+    from .cell import reconstructs
+
+    passes = [p for p in grid.policies if p.partition(":")[0] in _registered() and reconstructs(p)]
+    if passes:
+        raise ValueError(f"{', '.join(passes)} compress a context by reconstructing it, which the passkey grid "
+                         "(streaming perplexity, one prompt at a time) does not run: evaluate them with "
+                         "--benchmark ruler or --dataset FILE.jsonl")
     print(f"kvcache eval: writing the report to {out}/ (--out DIR to change)", file=sys.stderr)
     tokenizer = load_tokenizer(args.model)
     model = load(args.model, dtype=dtype, device=args.device)

@@ -1,0 +1,132 @@
+"""KVzip's reconstruction pass: compress a context before any question is seen.
+
+A ``kvzip`` cache (cache/policies/kvzip.py) scores a context by how much the model attends each
+of its keys while repeating it. ``prefill`` feeds the context chunk by chunk; a chunk that would
+overflow the cache is fed together with its reconstruction, ``chunk + repeat prompt + chunk``, in
+one call with the layers recording: the context part is attended and stored as any prefill
+would, the reconstruction part is scored and dropped, and every layer keeps its best-scored
+keys. A chunk that fits is fed as it is (nothing to evict, nothing to score: a cache whose
+budget covers the sequence is the dense cache). ``generate`` is ``prefill`` followed by the
+question and greedy decoding.
+
+    cache = kvcache.make_cache(model, "kvzip", cache_length=kept + reserve, reserve=reserve)
+    tokens = kvcache.kvzip.generate(model, cache, context_ids, question_ids,
+                                    repeat=kvcache.kvzip.repeat_ids(tokenizer), max_new_tokens=32)
+
+Later chunks of a long context are reconstructed after the last ``overlap`` tokens of the chunk
+before (KVzip's cue of where to start). Rows of a batch must have contexts of equal length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .cache.base import KVCache
+from .cache.policies.kvzip import KVzipCache
+
+REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
+
+
+def repeat_ids(tokenizer, closing: str = "\n") -> list[int]:
+    """The reconstruction prompt's ids: KVzip's instruction, then ``closing`` (the chat template's
+    text after a user message, with ``--chat``; a newline otherwise, as kvpress does)."""
+    return tokenizer.encode(REPEAT_PROMPT + closing, add_special_tokens=False)
+
+
+def _rows(ids: object, what: str, device: torch.device) -> torch.Tensor:
+    t = torch.as_tensor(ids, device=device)
+    if t.dim() == 1:
+        t = t.unsqueeze(0)
+    if t.dim() != 2 or t.dtype not in (torch.long, torch.int32, torch.int64) or t.shape[1] == 0:
+        raise ValueError(f"{what} must be token ids: a non-empty list of ints or a (rows, tokens) integer tensor")
+    return t.long()
+
+
+def _check_cache(cache: KVCache, rows: int) -> None:
+    bad = [i for i, layer in enumerate(cache.layers) if not isinstance(layer, KVzipCache)]
+    if bad:
+        raise ValueError(f"kvzip's reconstruction pass needs a kvzip cache in every layer (layer {bad[0]} is "
+                         f"{type(cache.layers[bad[0]]).__name__}): kvcache.make_cache(model, 'kvzip', ...) "
+                         "without head_budgets")
+    if cache.batch_size != rows:
+        raise ValueError(f"the cache was made for batch_size={cache.batch_size}, but there are {rows} rows")
+
+
+@torch.inference_mode()
+def prefill(model, cache: KVCache, context: object, *, repeat: Sequence[int], chunk: int | None = 2048,
+            overlap: int = 8) -> torch.Tensor:
+    """Feed ``context`` (ids, (rows, n)) into ``cache`` after what it holds, compressing every
+    chunk that would overflow it by reconstruction. Returns the logits (rows, vocab) after the
+    context's last token. ``chunk``: context tokens per pass (None: one pass)."""
+    device = model.embed_tokens.weight.device
+    ids = _rows(context, "context", device)
+    rep = _rows(repeat, "repeat", device)[0]
+    B, n = ids.shape
+    _check_cache(cache, B)
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk <= 0):
+        raise ValueError(f"chunk must be a positive int or None, got {chunk!r}")
+    if isinstance(overlap, bool) or not isinstance(overlap, int) or overlap < 0:
+        raise ValueError(f"overlap must be a non-negative int, got {overlap!r}")
+    step = n if chunk is None else chunk
+    logits = None
+    for a in range(0, n, step):
+        part = ids[:, a : a + step]
+        m = part.shape[1]
+        if all(int(layer.held.max()) + m <= layer.spec.cache_length for layer in cache.layers):
+            logits = model(part, cache, last_only=True)[:, 0]
+            continue
+        cue = ids[:, max(0, a - overlap) : a]
+        call = torch.cat((part, rep.expand(B, -1), cue, part), 1)
+        for layer in cache.layers:
+            layer.record(m)
+        try:
+            step_ = cache.begin(call, None, model)
+            last = torch.full((B,), m - 1, device=device)
+            logits = model.run(call, step_.positions, cache, step_, last)[:, 0]
+        finally:
+            for layer in cache.layers:
+                layer.record(None)
+        # Only the context counts as seen: the reconstruction was scored and dropped.
+        cache.lengths += m
+    return logits
+
+
+@torch.inference_mode()
+def generate(model, cache: KVCache, context: object, rest: object = None, *, repeat: Sequence[int],
+             max_new_tokens: int, chunk: int | None = 2048, stop_tokens: Sequence[int] | None = None) -> list[list[int]]:
+    """Greedy generation after a context compressed by KVzip: ``cache`` is reset, ``context`` goes
+    through ``prefill``, then ``rest`` (the question and answer prefix, (rows, m) ids; optional)
+    in one call, then up to ``max_new_tokens`` tokens per row, a row ending at a stop token (default
+    the model's eos), as ``kvcache.generate`` does greedily. Returns the new tokens per row."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+    device = model.embed_tokens.weight.device
+    ids = _rows(context, "context", device)
+    tail = None if rest is None else _rows(rest, "rest", device)
+    if tail is not None and tail.shape[0] != ids.shape[0]:
+        raise ValueError(f"rest has {tail.shape[0]} rows but context has {ids.shape[0]}")
+    _check_cache(cache, ids.shape[0])
+    if stop_tokens is None:
+        eos = model.config.eos_token_id
+        stop_tokens = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    stops = set(stop_tokens)
+    cache.reset()
+    with torch.inference_mode():
+        logits = prefill(model, cache, ids, repeat=repeat, chunk=chunk)
+        if tail is not None:
+            logits = model(tail, cache, last_only=True)[:, 0]
+        B = ids.shape[0]
+        out: list[list[int]] = [[] for _ in range(B)]
+        done = [False] * B
+        for i in range(max_new_tokens):
+            tokens = logits.argmax(-1)
+            for b, t in enumerate(tokens.tolist()):
+                if not done[b]:
+                    out[b].append(t)
+                    done[b] = t in stops
+            if all(done) or i == max_new_tokens - 1:
+                break
+            logits = model(tokens[:, None], cache)[:, -1]
+    return out

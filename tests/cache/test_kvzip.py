@@ -1,0 +1,184 @@
+"""kvzip keeps, per K/V head, the keys most attended while the model repeats the context: checked
+against explicit attention weights of a no-cache forward over context + repeat prompt + context."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvcache
+from conftest import max_diff
+from kvcache import kvzip
+from kvcache.rope import apply_rope
+from policy_util import EXACT_ATOL
+
+REPEAT = [5, 9, 17, 33]
+
+
+def context_ids(n: int, seed: int = 3) -> torch.Tensor:
+    from conftest import random_ids
+
+    return random_ids(n, seed=seed)
+
+
+@torch.inference_mode()
+def reference_scores(model, call: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """Per layer, (Hkv, n): the largest explicit softmax weight any reconstruction query (the
+    tokens of ``call`` after its first ``n``) gives each context key, over the query heads of its
+    group, in a no-cache causal forward of ``call`` (1, T)."""
+    inputs = {}
+    hooks = [layer.self_attn.register_forward_pre_hook(
+        lambda mod, args, i=i: inputs.__setitem__(i, args[:3])) for i, layer in enumerate(model.layers)]
+    try:
+        model(call)
+    finally:
+        for h in hooks:
+            h.remove()
+    cfg = model.config
+    D, T = cfg.head_dim, call.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=call.device).tril()
+    out = []
+    for i, layer in enumerate(model.layers):
+        x, cos, sin = inputs[i]
+        attn = layer.self_attn
+        q = apply_rope(attn.q_proj(x).view(1, T, -1, D), cos.unsqueeze(2), sin.unsqueeze(2)).transpose(1, 2)[0]
+        k = apply_rope(attn.k_proj(x).view(1, T, -1, D), cos.unsqueeze(2), sin.unsqueeze(2)).transpose(1, 2)[0]
+        G = q.shape[0] // k.shape[0]
+        k = k.repeat_interleave(G, 0)  # (Hq, T, D)
+        w = (q.float() @ k.float().transpose(-1, -2) / D**0.5).masked_fill(~causal, float("-inf")).softmax(-1)
+        best = w[:, n:, :n].amax(1)  # (Hq, n): over the reconstruction queries
+        out.append(best.view(-1, G, n).amax(1))  # over the group
+    return out
+
+
+def held(layer, b: int = 0) -> list[set[int]]:
+    pos = layer.storage.pos[b, :, : layer.spec.cache_length]
+    return [set(p[p >= 0].tolist()) for p in pos]
+
+
+@pytest.mark.parametrize("sinks,reserve", [(0, 0), (2, 3)])
+def test_kept_keys_and_scores_match_explicit_reconstruction_attention(llama, sinks, reserve):
+    n, C = 30, 12
+    ctx = context_ids(n)
+    call = torch.cat((ctx, torch.tensor([REPEAT], device=ctx.device), ctx), 1)
+    expected = reference_scores(llama, call, n)
+    with torch.inference_mode():
+        cache = kvcache.make_cache(llama, "kvzip", cache_length=C, reserve=reserve, sinks=sinks)
+        logits = kvzip.prefill(llama, cache, ctx, repeat=REPEAT)
+        # The context part is attended as any prefill attends it.
+        assert max_diff(logits, llama(ctx)[:, -1]) <= EXACT_ATOL[torch.float32]
+    assert cache.lengths.tolist() == [n]
+    kept = C - reserve
+    for layer, ref in zip(cache.layers, expected):
+        assert int(layer.held[0]) == kept
+        for h, got in enumerate(held(layer)):
+            rest = [int(p) for p in ref[h].argsort(descending=True) if p >= sinks]
+            assert got == set(range(sinks)) | set(rest[: kept - sinks]), (h, got)
+            # The stored scores are the reference's, slot by slot.
+            pos = layer.storage.pos[0, h, :kept]
+            torch.testing.assert_close(layer.stats["score"][0, h, :kept], ref[h][pos].float(), atol=1e-5, rtol=1e-4)
+
+
+def test_a_budget_covering_the_sequence_is_the_dense_cache(llama):
+    ctx, rest = context_ids(24), context_ids(5, seed=8)
+    total = 24 + 5 + 6
+    with torch.inference_mode():
+        cache = kvcache.make_cache(llama, "kvzip", cache_length=total)
+        logits = kvzip.prefill(llama, cache, ctx, repeat=REPEAT)
+        dense = kvcache.make_cache(llama, "dense", cache_length=total)
+        assert torch.equal(logits, llama(ctx, dense, last_only=True)[:, 0])
+        assert torch.equal(llama(rest, cache), llama(rest, dense))
+        for layer, ref in zip(cache.layers, dense.layers):
+            assert torch.equal(layer.storage.k[0, :, :29], ref.storage.k[0, :, :29])
+        cache = kvcache.make_cache(llama, "kvzip", cache_length=total)
+        got = kvzip.generate(llama, cache, ctx, rest, repeat=REPEAT, max_new_tokens=6, stop_tokens=())
+    want = kvcache.generate(llama, torch.cat((ctx, rest), 1)[0], max_new_tokens=6, prefill_chunk=24, stop_tokens=())
+    assert got == [want]
+
+
+def test_a_chunked_context_keeps_the_best_over_every_pass(llama):
+    n, C, chunk = 40, 12, 16
+    ctx = context_ids(n, seed=5)
+    with torch.inference_mode():
+        cache = kvcache.make_cache(llama, "kvzip", cache_length=C, sinks=1)
+        kvzip.prefill(llama, cache, ctx, repeat=REPEAT, chunk=chunk)
+        # The first chunk alone overflows too: its pass is the single-pass reference's.
+        first = kvcache.make_cache(llama, "kvzip", cache_length=C, sinks=1)
+        kvzip.prefill(llama, first, ctx[:, :chunk], repeat=REPEAT)
+    call = torch.cat((ctx[:, :chunk], torch.tensor([REPEAT], device=ctx.device), ctx[:, :chunk]), 1)
+    ref = reference_scores(llama, call, chunk)
+    assert cache.lengths.tolist() == [n]
+    for layer, one, r in zip(cache.layers, first.layers, ref):
+        for h in range(layer.spec.num_kv_heads):
+            best = [int(p) for p in r[h].argsort(descending=True) if p >= 1][: C - 1]
+            assert held(one)[h] == {0} | set(best)
+        assert int(layer.held[0]) == C
+        for h, got in enumerate(held(layer)):
+            assert 0 in got and len(got) == C and max(got) < n
+            # Every kept token was scored by a pass, and the scores are attention weights.
+            assert bool((layer.stats["scored"][0, h, :C] == 1).all())
+            assert bool((layer.stats["score"][0, h, :C] <= 1).all())
+
+
+def test_tokens_after_the_context_grow_into_the_reserve_then_the_unscored_go_first(llama):
+    n, C, R = 30, 10, 4
+    ctx, more = context_ids(n), context_ids(8, seed=9)
+    with torch.inference_mode():
+        cache = kvcache.make_cache(llama, "kvzip", cache_length=C, reserve=R, sinks=1)
+        kvzip.prefill(llama, cache, ctx, repeat=REPEAT)
+        chosen = [held(layer) for layer in cache.layers]
+        weakest = [[int(layer.storage.pos[0, h, int(layer.stats["score"][0, h, 1 : C - R].argmin()) + 1])
+                    for h in range(layer.spec.num_kv_heads)] for layer in cache.layers]
+        for t in range(R):
+            llama(more[:, t : t + 1], cache)
+        grown = [held(layer) for layer in cache.layers]
+        for t in range(R, 8):
+            llama(more[:, t : t + 1], cache)
+    for layer, before, after, weak in zip(cache.layers, chosen, grown, weakest):
+        for h, got in enumerate(held(layer)):
+            # The reserve takes the next R tokens with nothing evicted.
+            assert after[h] == before[h] | set(range(n, n + R))
+            # The next token overflows: the row keeps C - R, the unscored tokens go first, then the
+            # weakest context token (the newest stays); the rest is appended again.
+            assert got == (before[h] - {weak[h]}) | set(range(n + R, n + 8)), (h, got)
+
+
+def test_plain_generate_keeps_a_window_and_sinks(llama):
+    ids = context_ids(20)
+    with torch.inference_mode():
+        cache = kvcache.make_cache(llama, "kvzip", cache_length=8, sinks=2)
+        llama(ids, cache)
+    for layer in cache.layers:
+        assert all(got == {0, 1} | set(range(14, 20)) for got in held(layer))
+
+
+def test_the_pass_is_refused_where_it_cannot_run(llama):
+    ctx = context_ids(20)
+    with torch.inference_mode():
+        dense = kvcache.make_cache(llama, "dense", cache_length=40)
+        with pytest.raises(ValueError, match="kvzip cache in every layer"):
+            kvzip.prefill(llama, dense, ctx, repeat=REPEAT)
+        headwise = kvcache.make_cache(llama, "kvzip", cache_length=8,
+                                      head_budgets=[[6, 10]] * llama.config.num_layers)
+        with pytest.raises(ValueError, match="without head_budgets"):
+            kvzip.prefill(llama, headwise, ctx, repeat=REPEAT)
+        cache = kvcache.make_cache(llama, "kvzip", cache_length=8, batch_size=2)
+        with pytest.raises(ValueError, match="batch_size=2"):
+            kvzip.prefill(llama, cache, ctx, repeat=REPEAT)
+        with pytest.raises(ValueError, match="chunk"):
+            kvzip.prefill(llama, kvcache.make_cache(llama, "kvzip", cache_length=8), ctx, repeat=REPEAT, chunk=0)
+        with pytest.raises(ValueError, match="repeat"):
+            kvzip.prefill(llama, kvcache.make_cache(llama, "kvzip", cache_length=8), ctx, repeat=[])
+    # A refused call left the cache as it was.
+    assert cache.lengths.tolist() == [0, 0]
+    with pytest.raises(ValueError, match="sinks"):
+        kvcache.make_cache(llama, "kvzip", cache_length=8, sinks=-1)
+
+
+def test_listed_by_the_registry_and_the_command_line(capsys):
+    assert "kvzip" in kvcache.policies()
+    assert [o.name for o in kvcache.option_info("kvzip")] == ["sinks"]
+    from kvcache.cli import main
+
+    main(["policies"])
+    assert "kvzip" in capsys.readouterr().out

@@ -1,0 +1,57 @@
+"""A cell of a policy that compresses by reconstruction (kvzip): the context is compressed by
+kvcache.kvzip's pass to kvpress's kept count, and a ratio of 0 is the dense cell."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvcache
+from kvcache import kvzip
+from kvcache.eval.cell import Bench, Cell, make_cell_cache, run_cell
+from kvcache.eval.sample import encode
+
+BENCH = Bench.make("ruler")
+
+
+def test_kvzip_at_ratio_zero_is_the_dense_cell(tiny, tokenizer):
+    dense = run_cell(tiny, tokenizer, Cell("dense", 0.0, "niah_single_1", 512, "query_agnostic", 1), BENCH)
+    mine = run_cell(tiny, tokenizer, Cell("kvzip", 0.0, "niah_single_1", 512, "query_agnostic", 1), BENCH)
+    assert mine["samples"][0]["prediction"] == dense["samples"][0]["prediction"]
+
+
+@pytest.mark.parametrize("protocol", ["query_agnostic", "query_aware"])
+def test_a_kvzip_cell_compresses_the_first_chunk_by_reconstruction(tiny, tokenizer, protocol):
+    from kvcache.eval import ruler
+
+    ratio = 0.5
+    result = run_cell(tiny, tokenizer, Cell("kvzip", ratio, "niah_single_1", 512, protocol, 1), BENCH)
+    assert 0.0 <= result["score"] <= 100.0
+    sample = ruler.make("niah_single_1", tokenizer, 512)
+    enc = encode(tokenizer, sample)
+    first = len(enc.context) + (len(enc.question) if protocol == "query_aware" else 0)
+    total = len(enc) + sample.max_new_tokens
+    kept = int(first * (1 - ratio))
+    with torch.inference_mode():
+        cache = make_cell_cache(tiny, "kvzip", ratio, first, total)
+        kvzip.prefill(tiny, cache, enc.ids[:first], repeat=kvzip.repeat_ids(tokenizer), chunk=None)
+    # kvpress's count of the first chunk is kept in every layer and head, all scored by the pass.
+    for layer in cache.layers:
+        assert int(layer.held[0]) == kept
+        assert bool((layer.storage.pos[0, :, :kept] >= 0).all())
+        assert bool((layer.stats["scored"][0, :, :kept] == 1).all())
+    with torch.inference_mode():
+        new = kvzip.generate(tiny, cache, enc.ids[:first], enc.ids[first:], repeat=kvzip.repeat_ids(tokenizer),
+                             max_new_tokens=sample.max_new_tokens, chunk=None)[0]
+    assert result["samples"][0]["prediction"] == tokenizer.decode(new)
+    # Not what a window of the same size would answer from: the pass chose other tokens.
+    assert any(set(range(first - kept, first)) != set(p.tolist()) for layer in cache.layers
+               for p in layer.storage.pos[0, :, :kept])
+
+
+def test_the_passkey_grid_refuses_kvzip(tmp_path, capsys):
+    from kvcache.cli import main
+
+    assert main(["eval", "--policies", "dense,kvzip", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "kvzip compress a context by reconstructing it" in err and "--benchmark ruler" in err
