@@ -129,9 +129,13 @@ class KVzipCache(EvictingCache):
         keys = torch.cat((c.keys, k[:, :, n:]), 2)
         values = torch.cat((c.values, v[:, :, n:]), 2)
         key_pos = torch.cat((cand_pos, chunk_pos[:, :, n:]), 2)
-        out = attention.masked(q, keys, values, step.positions, key_pos, limit=self.spec.sliding_window)
+        if stored:
+            out = attention.masked(q, keys, values, step.positions, key_pos, limit=self.spec.sliding_window)
+        else:
+            # An empty cache: the call is causal attention over itself, the fused kernel's case.
+            out = attention.causal(q, keys, values, limit=self.spec.sliding_window)
         fresh = reconstruction_scores(q[:, :, n:].float(), keys.float(), step.positions[:, n:], key_pos,
-                                      self.spec.sliding_window)[..., : cand_pos.shape[2]]
+                                      cand_pos.shape[2], self.spec.sliding_window)
         had = stats["scored"] > 0
         stats["score"].copy_(torch.where(had, torch.maximum(stats["score"], fresh), fresh))
         stats["scored"].copy_((cand_pos >= 0).float())
@@ -140,16 +144,17 @@ class KVzipCache(EvictingCache):
 
 
 def reconstruction_scores(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-                          limit: int | None = None) -> torch.Tensor:
-    """(B, Hkv, S): for each key, the largest softmax weight any query gives it, over the queries
-    and the query heads of its K/V group. q (B, Hq, R, D) at positions q_pos (B, R); k (B, Hkv, S,
-    D) at positions k_pos (B, Hp, S) (-1: empty). Each query's softmax runs over the keys it may
-    see (``visibility``: filled, not in its future, within the model's window ``limit``). Queries
-    go in blocks, so at most about ``SCORE_BLOCK`` weights exist at once."""
+                          scored: int, limit: int | None = None) -> torch.Tensor:
+    """(B, Hkv, scored): for each of the first ``scored`` keys, the largest softmax weight any
+    query gives it, over the queries and the query heads of its K/V group. q (B, Hq, R, D) at
+    positions q_pos (B, R); k (B, Hkv, S, D) at positions k_pos (B, Hp, S) (-1: empty). Each
+    query's softmax runs over all the keys it may see (``visibility``: filled, not in its future,
+    within the model's window ``limit``). Queries go in blocks, so at most about ``SCORE_BLOCK``
+    weights exist at once."""
     B, Hq, R, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     G = Hq // Hkv
-    best = q.new_zeros(B, Hkv, S)
+    best = q.new_zeros(B, Hkv, scored)
     block = max(1, SCORE_BLOCK // max(1, B * Hq * S))
     kt = k.transpose(-1, -2).unsqueeze(2)  # (B, Hkv, 1, D, S)
     for start in range(0, R, block):
@@ -157,8 +162,8 @@ def reconstruction_scores(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor,
         qb = q[:, :, start:stop].reshape(B, Hkv, G, stop - start, D)
         logits = (qb @ kt) * D**-0.5  # (B, Hkv, G, r, S)
         seen = visibility(q_pos[:, start:stop], k_pos, None, 0, limit).unsqueeze(2)  # (B, Hp, 1, r, S)
-        weights = logits.masked_fill(~seen, float("-inf")).softmax(-1)
-        best = torch.maximum(best, weights.amax(dim=(2, 3)))
+        weights = logits.masked_fill_(~seen, float("-inf")).softmax(-1)
+        best = torch.maximum(best, weights[..., :scored].amax(dim=(2, 3)))
     return best
 
 
