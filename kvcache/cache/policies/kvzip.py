@@ -26,11 +26,13 @@ what followed it. A prompt fed by plain ``generate`` is therefore kept as a wind
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from dataclasses import dataclass
 
 import torch
 
 from ... import attention
+from ...errors import KVCacheWarning
 from ...kernels.visibility import visibility
 from ..base import CacheSpec, Step
 from ..candidates import Candidates
@@ -91,6 +93,12 @@ class KVzipCache(EvictingCache):
 
     def attend(self, q, k, v, step: Step) -> torch.Tensor:
         if self._context is None:
+            if step.known and step.num_tokens > 1 and bool((self.held + step.n_tokens > self.spec.cache_length).any()):
+                warnings.warn(
+                    "a prompt chunk overflowed a kvzip cache outside its reconstruction pass, so it has no "
+                    "scores: its oldest tokens are evicted first, as a window would. Compress a context with "
+                    "kvcache.kvzip.prefill or kvcache.kvzip.generate (or kvcache eval) instead.",
+                    KVCacheWarning, stacklevel=2)
             return super().attend(q, k, v, step)
         return self._reconstruct(q, k, v, step, self._context)
 
