@@ -287,7 +287,8 @@ def _add_eval(commands) -> None:
     ev.add_argument("--texts", metavar="DIR",
                     help="held-out .txt files for streaming, passkey filler and RULER's essay haystack (default: the "
                          "ones packaged in kvcache/data/texts)")
-    ev.add_argument("--policies", type=_list(str), metavar="A,B", help="comma-separated (default: all)")
+    ev.add_argument("--policies", "--policy", type=_list(str), metavar="A,B",
+                    help="comma-separated (default: all); --policy is the same flag")
     ev.add_argument("--budgets", type=_list(float), metavar="F,F",
                     help="fractions of the context KEPT (passkey default: 0.125,0.25,0.5)")
     ev.add_argument("--ratios", type=_list(float), metavar="F,F",

@@ -161,9 +161,9 @@ def _passkey(args, out: Path, dtype: torch.dtype | None, progress: bool) -> None
 
     passes = [p for p in grid.policies if p.partition(":")[0] in _registered() and reconstructs(p)]
     if passes:
-        raise ValueError(f"{', '.join(passes)} compress a context by reconstructing it, which the passkey grid "
-                         "(streaming perplexity, one prompt at a time) does not run: evaluate them with "
-                         "--benchmark ruler or --dataset FILE.jsonl")
+        raise ValueError(f"--policies {', '.join(passes)}: a policy that compresses a context by reconstructing it "
+                         "is not run by the passkey grid (streaming perplexity, one prompt at a time); evaluate "
+                         "it with --benchmark ruler or --dataset FILE.jsonl")
     print(f"kvcache eval: writing the report to {out}/ (--out DIR to change)", file=sys.stderr)
     tokenizer = load_tokenizer(args.model)
     model = load(args.model, dtype=dtype, device=args.device)

@@ -49,9 +49,21 @@ def test_a_kvzip_cell_compresses_the_first_chunk_by_reconstruction(tiny, tokeniz
                for p in layer.storage.pos[0, :, :kept])
 
 
-def test_the_passkey_grid_refuses_kvzip(tmp_path, capsys):
+@pytest.mark.cpu_only("the command line loads its model on the CPU by default")
+def test_the_command_line_runs_kvzip_on_ruler_and_the_passkey_grid_refuses_it(tiny_dir, tmp_path, capsys):
+    import json
+
     from kvcache.cli import main
 
-    assert main(["eval", "--policies", "dense,kvzip", "--out", str(tmp_path / "o")]) == 2
+    out = tmp_path / "o"
+    assert main(["eval", "--benchmark", "ruler", "--model", str(tiny_dir), "--tasks", "niah_single_1",
+                 "--lengths", "512", "--policy", "dense,kvzip", "--ratios", "0.5", "--samples", "1",
+                 "--protocols", "query_agnostic", "--threads", "1", "--no-plots", "--out", str(out)]) == 0
+    results = json.loads((out / "report.json").read_text())["results"]
+    assert {(r["cell"]["policy"], r["cell"]["ratio"]) for r in results} == {("dense", 0.0), ("kvzip", 0.5)}
+    assert all(0.0 <= r["score"] <= 100.0 for r in results)
+    capsys.readouterr()
+    assert main(["eval", "--policies", "dense,kvzip", "--out", str(tmp_path / "p")]) == 2
     err = capsys.readouterr().err
-    assert "kvzip compress a context by reconstructing it" in err and "--benchmark ruler" in err
+    assert "--policies kvzip: a policy that compresses a context by reconstructing it" in err
+    assert "--benchmark ruler" in err and not (tmp_path / "p" / "report.json").exists()
