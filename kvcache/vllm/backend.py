@@ -27,7 +27,8 @@ from vllm.v1.attention.backends.cpu_attn import (
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec
 
 from .config import ConfigError, PluginConfig, parse
-from .rule import BlockRule
+from .state import BATCH, ENGINE
+from .rule import request_rule
 from .spec import KVCacheAttentionSpec
 
 
@@ -50,22 +51,6 @@ def configured(vllm_config) -> PluginConfig | None:
     return config
 
 
-@dataclasses.dataclass
-class _EngineConfig:
-    """The configuration of the engine whose model was built last in this process.
-
-    vLLM asks the backend to customize a layer's KV cache spec through a classmethod that is
-    given the spec alone, outside any current vLLM config; each attention layer asks the backend
-    for its implementation class earlier, while the model is built inside that config, and the
-    backend records it then. One process builds one model at a time, and builds it before it
-    asks for the model's KV cache specs."""
-
-    config: PluginConfig | None = None
-
-
-_ENGINE = _EngineConfig()
-
-
 class KVCacheCPUBackend(CPUAttentionBackend):
     """vLLM's CPU attention backend (CPU_ATTN), with kvcache's blocks."""
 
@@ -73,13 +58,14 @@ class KVCacheCPUBackend(CPUAttentionBackend):
     def get_impl_cls() -> type[CPUAttentionBackendImpl]:
         vllm_config = get_current_vllm_config_or_none()
         if vllm_config is not None:
-            _ENGINE.config = configured(vllm_config)
+            ENGINE.config = configured(vllm_config)
+            ENGINE.known = True
         return CPUAttentionBackendImpl
 
     @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
         spec = super().customize_spec(spec)
-        config = _ENGINE.config
+        config = ENGINE.config
         if config is None:
             return spec
         if type(spec) is not FullAttentionSpec or spec.sliding_window is not None or spec.attention_chunk_size:
@@ -95,48 +81,72 @@ class KVCacheCPUBackend(CPUAttentionBackend):
 class KVCacheMetadataBuilder(CPUAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        config = kv_cache_spec.kvcache if isinstance(kv_cache_spec, KVCacheAttentionSpec) else None
-        self.rule = None if config is None else BlockRule(config)
-        if self.rule is not None and self.window_size != -1:
+        self.engine = kv_cache_spec.kvcache if isinstance(kv_cache_spec, KVCacheAttentionSpec) else None
+        if self.engine is not None and self.window_size != -1:
             raise ConfigError("kvcache vLLM plugin: models with sliding-window attention are not supported")
+        if self.engine is not None and BATCH.rows is None:
+            raise RuntimeError("kvcache vLLM plugin: vLLM did not load kvcache's logits processor "
+                               "(kvcache.vllm.requests:KVCacheRequests, entry point group vllm.logits_processors), "
+                               "which tells the plugin which request each row is; reinstall kvcache[vllm]")
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> CPUAttentionMetadata:
-        if self.rule is not None:
+        if self.engine is not None:
             common_attn_metadata = self.kept_only(common_attn_metadata)
         return super().build(common_prefix_len, common_attn_metadata, fast_build)
 
     def kept_only(self, cm: CommonAttentionMetadata) -> CommonAttentionMetadata:
-        """``cm`` with each request's block table reduced to its kept columns and its sequence
-        length to the tokens they hold (requests still in their prompt are left whole)."""
-        if cm.is_prefilling is None:
-            raise RuntimeError("kvcache vLLM plugin: this vLLM gives no is_prefilling in the attention metadata")
+        """``cm`` with each request's queries attending only what its rule keeps.
+
+        A request's step becomes one or more sequences for the stock kernel (rule.segments),
+        each with a block table of its kept columns only and a length shortened by the blocks
+        dropped; a prompt chunk or a decode step is one. The query tokens stay in order, so
+        every other per-token input of the step is unchanged."""
         N = self.block_size
+        rows = BATCH.rows
         seq_lens = cm.seq_lens.cpu()
         starts = cm.query_start_loc_cpu
-        prefilling = cm.is_prefilling.cpu()
-        rows: list[list[int] | None] = []
+        table = cm.block_table_tensor
+        pieces: list[tuple[int, int, int, tuple[int, ...] | None]] = []  # (row, query count, length, columns)
+        changed = False
         for r in range(cm.num_reqs):
             total = int(seq_lens[r])
-            seen = total - int(starts[r + 1] - starts[r])
-            rows.append(None if bool(prefilling[r]) or seen <= self.rule.cache_length
-                        else self.rule.kept_columns(seen, total))
-        if all(row is None for row in rows):
+            count = int(starts[r + 1] - starts[r])
+            seen = total - count
+            row = rows.get(r)
+            if row is None and count and total:
+                raise RuntimeError(f"kvcache vLLM plugin: no request recorded at row {r} of the batch")
+            rule = request_rule(self.engine, row.raw) if row is not None else None
+            if rule is None or total - 1 < row.prompt or total - 1 <= rule.cache_length:
+                pieces.append((r, count, total, None))  # every query reads every block
+                continue
+            changed = True
+            for start, end, columns in rule.segments(seen, total, row.prompt):
+                # Every column is full but the last, which holds the segment's newest tokens.
+                pieces.append((r, end - start, (len(columns) - 1) * N + (end - (end - 1) // N * N), columns))
+        if not changed:
             return cm
-        table = cm.block_table_tensor
-        width = max(len(row) if row is not None else -(-int(seq_lens[r]) // N) for r, row in enumerate(rows))
-        new_table = torch.zeros(table.shape[0], max(width, 1), dtype=table.dtype, device=table.device)
-        new_lens = seq_lens.clone()
-        for r, row in enumerate(rows):
-            total = int(seq_lens[r])
-            if row is None:
-                n = -(-total // N)
-                new_table[r, :n] = table[r, :n]
+        width = max(len(c) if c is not None else -(-length // N) for _, _, length, c in pieces)
+        new_table = torch.zeros(len(pieces), max(width, 1), dtype=table.dtype, device=table.device)
+        for i, (r, _, length, columns) in enumerate(pieces):
+            if columns is None:
+                n = -(-length // N)
+                new_table[i, :n] = table[r, :n]
             else:
-                new_table[r, : len(row)] = table[r, row]
-                # Every kept column is full but the last, which holds the newest tokens.
-                new_lens[r] = (len(row) - 1) * N + (total - (total - 1) // N * N)
-        new_table[cm.num_reqs:] = table[cm.num_reqs:, : new_table.shape[1]]
-        new_lens = new_lens.to(cm.seq_lens.device)
-        return dataclasses.replace(cm, block_table_tensor=new_table, seq_lens=new_lens,
-                                   max_seq_len=int(new_lens[: cm.num_reqs].max()))
+                new_table[i, : len(columns)] = table[r, list(columns)]
+        counts = torch.tensor([count for _, count, _, _ in pieces], dtype=starts.dtype)
+        new_starts = torch.zeros(len(pieces) + 1, dtype=starts.dtype)
+        torch.cumsum(counts, 0, out=new_starts[1:])
+        new_lens = torch.tensor([length for _, _, length, _ in pieces], dtype=cm.seq_lens.dtype)
+        source = [r for r, _, _, _ in pieces]
+        replaced = dict(
+            num_reqs=len(pieces), block_table_tensor=new_table,
+            query_start_loc=new_starts.to(cm.query_start_loc.device), query_start_loc_cpu=new_starts,
+            seq_lens=new_lens.to(cm.seq_lens.device), max_seq_len=int(new_lens.max()),
+            max_query_len=int(counts.max()))
+        # Per-request fields vLLM may fill, carried to each request's sequences.
+        for name in ("is_prefilling", "seq_lens_cpu_upper_bound"):
+            value = getattr(cm, name)
+            if value is not None:
+                replaced[name] = new_lens.clone() if name == "seq_lens_cpu_upper_bound" else value[source]
+        return dataclasses.replace(cm, **replaced)

@@ -58,6 +58,34 @@ def parse(raw: object, block: int) -> PluginConfig:
         raise ConfigError(f"kvcache vLLM plugin, additional_config['kvcache']: {e}") from None
 
 
+def for_request(engine: PluginConfig, raw: object) -> PluginConfig:
+    """The configuration of one request: ``raw`` (``SamplingParams.extra_args["kvcache"]``) over
+    the engine's. A request that names another policy starts from that policy's defaults and the
+    engine's ``cache_length``; one that names none (or the engine's) overrides the engine's
+    options one by one. ConfigError (prefixed with where the object came from) when the result
+    is not a configuration ``parse`` accepts."""
+    try:
+        if not isinstance(raw, dict):
+            raise ValueError(f'expected an object such as {{"cache_length": 512}} or '
+                             f'{{"policy": "window", "cache_length": 256}}, got {raw!r}')
+        base: dict = {"policy": engine.policy, "cache_length": engine.cache_length}
+        if raw.get("policy", engine.policy) == engine.policy:
+            base.update(engine.options)
+        return _parse({**base, **raw}, engine.block)
+    except ValueError as e:
+        raise ConfigError(f"kvcache vLLM plugin, SamplingParams.extra_args['kvcache']: {e}") from None
+
+
+def request_key(raw: object) -> object:
+    """A hashable stand-in for a request's ``extra_args["kvcache"]`` (a dict of plain values), so
+    that the configurations of requests alike are checked and built once."""
+    if isinstance(raw, dict):
+        return tuple(sorted((str(k), request_key(v)) for k, v in raw.items()))
+    if isinstance(raw, list):
+        return ("list", tuple(request_key(v) for v in raw))
+    return raw
+
+
 def _parse(raw: object, block: int) -> PluginConfig:
     if not isinstance(raw, dict):
         raise ValueError(f'expected an object such as {{"policy": "sink", "cache_length": 1024, "sinks": 64}}, got {raw!r}')

@@ -13,12 +13,13 @@ a step attends over that and its own tokens.
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 
 from ..cache.blocks import keep_whole_blocks
 from ..cache.candidates import Candidates
-from .config import PluginConfig
+from .config import ConfigError, PluginConfig, for_request, request_key
 
 
 class BlockRule:
@@ -47,8 +48,62 @@ class BlockRule:
         kept = positions[priority == 0]
         return tuple(sorted(set((kept // N).tolist())))
 
-    def kept_columns(self, seen: int, total: int) -> list[int]:
-        """Block-table columns a step reads: the blocks kept of ``seen`` tokens, then those the
-        step's own tokens [seen, total) occupy."""
-        first_new = seen // self.block
-        return [b for b in self.kept_blocks(seen) if b < first_new] + list(range(first_new, -(-total // self.block)))
+    def read_by(self, t: int, prompt: int) -> tuple[int, ...]:
+        """Blocks the query at position ``t`` reads, in a request whose prompt has ``prompt``
+        tokens: a prompt query reads every block up to its own (the prompt is attended whole);
+        a later one (a generated token) the blocks kept of the ``t`` tokens before it, then its own."""
+        own = t // self.block
+        if t < prompt or t <= self.cache_length:
+            return tuple(range(own + 1))
+        return tuple(b for b in self.kept_blocks(t) if b < own) + (own,)
+
+    def segments(self, seen: int, total: int, prompt: int) -> list[tuple[int, int, tuple[int, ...]]]:
+        """The queries [seen, total) of one step of a request, split where what they read stops
+        being "the same blocks plus the step's own tokens": a list of ``(start, end, columns)``,
+        each attended by the stock kernel as one causal sequence over ``columns`` (block
+        indices, the last ones those that [start, end) occupy). A decode step or a chunk of the
+        prompt is one segment; a request recomputing its generated tokens after a preemption
+        gets one per eviction, so each token reads what it read when it was first generated."""
+        N = self.block
+        out: list[tuple[int, int, tuple[int, ...]]] = []
+        start, prefix = seen, None
+        for t in range(seen, total):
+            reads = self.read_by(t, prompt)
+            if prefix is not None and reads == prefix + tuple(range(start // N, t // N + 1)):
+                continue
+            if prefix is not None:
+                out.append((start, t, prefix + tuple(range(start // N, (t - 1) // N + 1))))
+            start, prefix = t, tuple(b for b in reads if b < t // N)
+        if prefix is not None:
+            out.append((start, total, prefix + tuple(range(start // N, (total - 1) // N + 1))))
+        return out
+
+
+_RULES: dict[object, BlockRule] = {}
+
+
+def rule_of(config: PluginConfig) -> BlockRule:
+    """The rule of ``config``, built once per process."""
+    if config not in _RULES:
+        _RULES[config] = BlockRule(config)
+    return _RULES[config]
+
+
+def request_rule(engine: PluginConfig, raw: object) -> BlockRule:
+    """The rule of a request whose ``extra_args["kvcache"]`` is ``raw`` (None: the engine's).
+
+    vLLM checks requests where they arrive (requests.py), with the engine's configuration when
+    that process knows it. Where it does not (an API server in a process of its own), a request
+    whose options fail only against the engine (a budget below one vLLM block) reaches the
+    engine: it then runs under the engine's configuration, with a warning, and never stops the
+    engine. The scheduler and the workers call this alike, so they agree on every request."""
+    if raw is None:
+        return rule_of(engine)
+    key = (engine, request_key(raw))
+    if key not in _RULES:
+        try:
+            _RULES[key] = rule_of(for_request(engine, raw))
+        except ConfigError as e:
+            logging.getLogger(__name__).warning("%s; the request runs with the engine's configuration", e)
+            _RULES[key] = rule_of(engine)
+    return _RULES[key]

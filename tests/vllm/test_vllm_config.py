@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import kvcache
-from kvcache.vllm.config import ConfigError, parse
+from kvcache.vllm.config import ConfigError, for_request, parse
 from kvcache.vllm.rule import BlockRule
 
 BLOCK = 32
@@ -79,3 +79,54 @@ def test_vllm_versions_outside_the_range_are_refused():
     for bad in ("0.31.9", "0.33.0", "1.0.0"):
         with pytest.raises(RuntimeError, match=f"supports vLLM >= 0.32.0, < 0.33 .* this is vLLM {bad}"):
             version.check(bad)
+
+
+ENGINE = {"policy": "sink", "cache_length": 96, "sinks": 32}
+
+
+@pytest.mark.parametrize("raw, want", [
+    ({}, ("sink", 96, {"sinks": 32, "positions": "absolute"})),
+    ({"cache_length": 64}, ("sink", 64, {"sinks": 32, "positions": "absolute"})),
+    ({"sinks": 64, "cache_length": 160}, ("sink", 160, {"sinks": 64, "positions": "absolute"})),
+    # Another policy starts from its own defaults and the engine's budget.
+    ({"policy": "window"}, ("window", 96, {})),
+    ({"policy": "sink", "cache_length": 128}, ("sink", 128, {"sinks": 32, "positions": "absolute"})),
+])
+def test_request_options_override_the_engine_configuration(raw, want):
+    config = for_request(parse(ENGINE, BLOCK), raw)
+    assert (config.policy, config.cache_length, dict(config.options)) == want
+    assert config.block == BLOCK
+
+
+@pytest.mark.parametrize("raw, message", [
+    ("sink", "expected an object such as"),
+    ({"sink": 4}, "policy 'sink' has no option 'sink'; valid options: sinks, positions"),
+    ({"cache_length": 32}, "sinks \\(32\\) must be smaller than cache_length \\(32\\)"),
+    ({"policy": "window", "cache_length": 16}, "block=32 does not fit the window policy's smallest budget"),
+    ({"policy": "window", "sinks": 4}, "policy 'window' has no option 'sinks'"),
+    ({"policy": "snapkv"}, "policy 'snapkv' is not supported in vLLM yet"),
+    ({"block": 64}, "block is vLLM's block size here \\(32\\)"),
+])
+def test_bad_request_options_say_what_is_wrong(raw, message):
+    with pytest.raises(ConfigError, match=r"kvcache vLLM plugin, SamplingParams.extra_args\['kvcache'\]: .*" + message):
+        for_request(parse(ENGINE, BLOCK), raw)
+
+
+@pytest.mark.parametrize("raw", [ENGINE, {"policy": "window", "cache_length": 64}])
+@pytest.mark.parametrize("seen, total, prompt", [(0, 64, 200), (200, 201, 150), (64, 300, 70), (100, 260, 130)])
+def test_segments_give_each_query_what_it_reads(raw, seen, total, prompt):
+    """A step's queries, split into segments: each segment is contiguous, and within it query t
+    reads the segment's kept columns before it plus the blocks from the segment's start to its own,
+    which is what ``read_by`` says it read when first computed (prompt: everything; generated:
+    kvcache's kept blocks, tested above)."""
+    rule = BlockRule(parse(raw, BLOCK))
+    segments = rule.segments(seen, total, prompt)
+    assert [s for s, _, _ in segments] == [seen] + [e for _, e, _ in segments[:-1]]
+    assert segments[-1][1] == total
+    for start, end, columns in segments:
+        prefix = tuple(b for b in columns if b < start // BLOCK)
+        assert columns == prefix + tuple(range(start // BLOCK, (end - 1) // BLOCK + 1))
+        for t in range(start, end):
+            assert prefix + tuple(range(start // BLOCK, t // BLOCK + 1)) == rule.read_by(t, prompt)
+    if total - seen == 1 or total <= prompt:
+        assert len(segments) == 1

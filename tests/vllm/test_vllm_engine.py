@@ -16,16 +16,18 @@ import gc
 import os
 
 import pytest
+import torch
 
 # vllm.v1, not vllm: without vLLM installed, this folder itself would be imported as "vllm".
 pytest.importorskip("vllm.v1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.exceptions import VLLMValidationError  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 
 from kvcache.vllm.config import ConfigError  # noqa: E402
-from vllm_models import BLOCK, NEW_TOKENS, POLICIES, build, kvcache_tokens, prompts  # noqa: E402
+from vllm_models import BLOCK, BLOCK_BYTES, NEW_TOKENS, POLICIES, VOCAB, build, kvcache_tokens, prompts  # noqa: E402
 
 pytestmark = pytest.mark.cpu_only("vLLM's CPU build")
 
@@ -61,38 +63,127 @@ def close(llm: LLM) -> None:
     gc.collect()
 
 
+def run_stepwise(llm: LLM, prompt_ids: list[list[int]], options: list[dict | None] | None = None,
+                 new_tokens: int = NEW_TOKENS,
+                 arrivals: list[tuple[int, int]] | None = None) -> tuple[list[list[int]], int]:
+    """Greedy tokens of each prompt (with its own ``extra_args["kvcache"]`` where ``options``
+    gives one), step by step; request i is added before step ``arrivals[i][0]`` with priority
+    ``arrivals[i][1]`` (all at once, priority 0, without ``arrivals``). Between steps, every
+    request past its prompt must hold at most its budget of blocks plus the one being filled.
+    Returns the tokens and how many times requests were preempted."""
+    llm_engine = llm.llm_engine
+    scheduler = llm_engine.engine_core.engine_core.scheduler
+    manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+    arrivals = arrivals or [(0, 0)] * len(prompt_ids)
+    tokens: dict[str, list[int]] = {}
+    decoding_seen = 0
+    preemptions: dict[str, int] = {}
+    computed: dict[str, int] = {}  # tokens each request had computed after the previous step
+    step = 0
+    while len(tokens) < len(prompt_ids):
+        for i, ids in enumerate(prompt_ids):
+            if arrivals[i][0] == step:
+                params = greedy(new_tokens)
+                if options is not None and options[i] is not None:
+                    params.extra_args = {"kvcache": options[i]}
+                llm_engine.add_request(str(i), TokensPrompt(prompt_token_ids=ids), params, priority=arrivals[i][1])
+        step += 1
+        for out in llm_engine.step():
+            if out.finished:
+                tokens[out.request_id] = list(out.outputs[0].token_ids)
+        for request in scheduler.requests.values():
+            preemptions[request.request_id] = request.num_preemptions
+        for request in scheduler.running:
+            n, rid = request.num_computed_tokens, request.request_id
+            if n > request.num_prompt_tokens:
+                decoding_seen += 1
+                # A decode step adds one token. A step that recomputed generated tokens after a
+                # preemption holds the blocks of all it computed (as a prompt chunk does) until
+                # the request's next step frees what its rule drops.
+                extra = 0 if n - computed.get(rid, 0) == 1 else -(-(n - computed.get(rid, 0)) // BLOCK)
+                live, budget = manager.live_blocks(rid), manager.budget(rid)
+                assert live <= budget + 1 + extra, f"request with {n} tokens holds {live} blocks"
+            computed[rid] = n
+    assert decoding_seen
+    return [tokens[str(i)] for i in range(len(prompt_ids))], sum(preemptions.values())
+
+
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_tokens_equal_kvcache_and_blocks_stay_within_budget(checkpoint, policy):
     config = POLICIES[policy]
     prompt_ids = prompts()
     llm = engine(checkpoint, config)
     try:
-        # Step by step, to look at every request's blocks between steps.
-        llm_engine = llm.llm_engine
-        scheduler = llm_engine.engine_core.engine_core.scheduler
-        manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
-        for i, ids in enumerate(prompt_ids):
-            llm_engine.add_request(str(i), TokensPrompt(prompt_token_ids=ids), greedy(NEW_TOKENS))
-        budget = -(-config["cache_length"] // BLOCK)
-        tokens: dict[str, list[int]] = {}
-        decoding_seen = 0
-        while llm_engine.has_unfinished_requests():
-            for out in llm_engine.step():
-                if out.finished:
-                    tokens[out.request_id] = list(out.outputs[0].token_ids)
-            for request in scheduler.running:
-                if request.num_computed_tokens > request.num_prompt_tokens:
-                    decoding_seen += 1
-                    live = manager.live_blocks(request.request_id)
-                    assert live <= budget + 1, f"request with {request.num_computed_tokens} tokens holds {live} blocks"
-        assert decoding_seen
-        got = [tokens[str(i)] for i in range(len(prompt_ids))]
+        got, _ = run_stepwise(llm, prompt_ids)
     finally:
         close(llm)
     want = kvcache_tokens(checkpoint, config, prompt_ids, NEW_TOKENS)
     assert got == want
     # The policy changed what the longest prompts generate: the comparison is not the dense one.
     assert want != kvcache_tokens(checkpoint, None, prompt_ids, NEW_TOKENS)
+
+
+# Per-request options over the engine's sink configuration, and the configuration each amounts to.
+ENGINE_CONFIG = {"policy": "sink", "cache_length": 96, "sinks": 32}
+REQUEST_OPTIONS = [
+    (None, ENGINE_CONFIG),
+    ({"cache_length": 64}, {"policy": "sink", "cache_length": 64, "sinks": 32}),
+    ({"policy": "window", "cache_length": 64}, {"policy": "window", "cache_length": 64}),
+    ({"sinks": 64, "cache_length": 160}, {"policy": "sink", "cache_length": 160, "sinks": 64}),
+]
+
+
+def test_per_request_options_equal_kvcache_with_those_options(tmp_path):
+    """Four requests batched together, each with its own policy options (or the engine's): each
+    one's tokens are kvcache's with its own configuration, and each stays within its own budget.
+    Bad options are refused when the request is added, and the engine serves on."""
+    path = build("llama", tmp_path / "llama")
+    prompt_ids = prompts()
+    llm = engine(path, ENGINE_CONFIG)
+    try:
+        got, _ = run_stepwise(llm, prompt_ids, [options for options, _ in REQUEST_OPTIONS])
+        for options, message in [
+            ({"sink": 4}, "policy 'sink' has no option 'sink'; valid options: sinks, positions"),
+            ({"policy": "window", "cache_length": 16}, "block=32 does not fit the window policy's smallest budget"),
+            ({"policy": "h2o"}, "policy 'h2o' is not supported in vLLM yet"),
+            ("sink", "expected an object such as"),
+        ]:
+            params = greedy(4)
+            params.extra_args = {"kvcache": options}
+            with pytest.raises(VLLMValidationError, match=r"SamplingParams.extra_args\['kvcache'\]: .*" + message):
+                llm.generate([TokensPrompt(prompt_token_ids=prompt_ids[0])], params, use_tqdm=False)
+        again, _ = run_stepwise(llm, prompt_ids[1:3], [options for options, _ in REQUEST_OPTIONS[1:3]])
+    finally:
+        close(llm)
+    want = [kvcache_tokens(path, config, [ids], NEW_TOKENS)[0] for ids, (_, config) in zip(prompt_ids, REQUEST_OPTIONS)]
+    assert got == want
+    assert again == want[1:3]
+    # The options changed what the requests generate: not the engine's configuration for all.
+    assert want != kvcache_tokens(path, ENGINE_CONFIG, prompt_ids, NEW_TOKENS)
+
+
+def test_a_preempted_request_resumes_with_the_same_tokens(tmp_path):
+    """KV memory for 12 blocks, priority scheduling: two low-priority requests generate past
+    their budget, then four high-priority ones arrive and grow; vLLM preempts the low-priority
+    ones (recompute) and runs them again later. Every request's tokens are those of kvcache's own
+    model, uninterrupted: when a request recomputes its generated tokens, each token reads what it
+    read when it was first generated (attending a recomputed chunk as one sequence over the
+    blocks kept before it gives other tokens here). No request exceeds its budget."""
+    config = POLICIES["sink"]
+    path = build("llama", tmp_path / "llama")
+    g = torch.Generator().manual_seed(2)
+    prompt_ids = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (100, 90, 40, 44, 48, 52)]
+    arrivals = [(0, 1), (0, 1), (60, 0), (60, 0), (60, 0), (60, 0)]
+    llm = engine(path, config, max_model_len=256, kv_cache_memory_bytes=12 * BLOCK_BYTES, max_num_seqs=6,
+                 scheduling_policy="priority")
+    try:
+        got, preempted = run_stepwise(llm, prompt_ids, new_tokens=100, arrivals=arrivals)
+    finally:
+        close(llm)
+    assert preempted > 0
+    want = kvcache_tokens(path, config, prompt_ids, 100)
+    assert got == want
+    assert want != kvcache_tokens(path, None, prompt_ids, 100)
 
 
 def test_without_configuration_the_engine_is_plain_vllm(tmp_path):

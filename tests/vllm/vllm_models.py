@@ -15,6 +15,8 @@ import kvcache
 
 VOCAB = 128
 BLOCK = 32  # vLLM's block size in these tests, and kvcache's block= to compare with
+# KV memory of one block of these models: 2 layers x keys and values x 2 heads x 32 x 4 bytes.
+BLOCK_BYTES = BLOCK * 2 * 2 * 2 * 32 * 4
 # Prompts of several lengths: shorter than the budget, and several blocks longer than it.
 PROMPT_LENGTHS = (40, 100, 150, 230)
 NEW_TOKENS = 40

@@ -1,0 +1,66 @@
+"""Per-request options on the worker side, and their check where requests arrive.
+
+A request may carry its own policy and options, ``SamplingParams(extra_args={"kvcache": {...}})``
+(config.for_request: over the engine's configuration). vLLM's attention metadata says nothing
+of which request a row is; its logits processors are the interface through which vLLM tells a
+plugin, on the worker, which request sits at which row of the batch (added, removed, moved).
+``KVCacheRequests`` is such a processor (loaded by vLLM from the ``vllm.logits_processors``
+entry point that ``kvcache[vllm]`` installs): it leaves the logits alone and keeps, per row,
+the request's ``extra_args["kvcache"]`` and prompt length, which the metadata builder
+(backend.py) reads. Its ``validate_params`` checks a request's options when it arrives.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.sampling_params import SamplingParams
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
+from vllm.v1.sample.logits_processor.builtin import process_dict_updates
+
+from .config import PluginConfig, for_request
+from .state import BATCH, ENGINE, Row
+
+
+def options(params: SamplingParams | None) -> object:
+    """A request's ``extra_args["kvcache"]``, or None."""
+    extra = params.extra_args if params is not None else None
+    return extra.get("kvcache") if isinstance(extra, dict) else None
+
+
+class KVCacheRequests(LogitsProcessor):
+    @classmethod
+    def validate_params(cls, sampling_params: SamplingParams) -> None:
+        """A request's options, checked as it arrives (vLLM answers a bad one with its message:
+        VLLMValidationError from ``LLM.generate``, HTTP 400 from the server). With the engine's
+        configuration where this process knows it (the engine runs here), otherwise (an API
+        server in a process of its own) as far as possible without it: names, types and values
+        against the policy, with blocks of one token (rule.request_rule covers the rest)."""
+        raw = options(sampling_params)
+        if raw is None:
+            return
+        if ENGINE.config is not None:
+            for_request(ENGINE.config, raw)
+        elif ENGINE.known:
+            raise ValueError("kvcache vLLM plugin: SamplingParams.extra_args['kvcache'] is given but the engine "
+                             "has no kvcache configuration; start it with additional_config={'kvcache': {...}}")
+        elif isinstance(raw, dict) and "policy" not in raw:
+            # The options belong to the engine's policy, unknown here: the budget alone.
+            if "cache_length" in raw:
+                for_request(PluginConfig("window", 1 << 30, (), 1), {"cache_length": raw["cache_length"]})
+        else:
+            for_request(PluginConfig("window", 1 << 30, (), 1), raw)
+
+    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
+        self.rows: dict[int, Row] = {}
+        BATCH.rows = self.rows
+
+    def is_argmax_invariant(self) -> bool:
+        return True
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        process_dict_updates(
+            self.rows, batch_update,
+            lambda params, prompt_ids, _output_ids: Row(options(params), len(prompt_ids) if prompt_ids is not None else 0))
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
