@@ -17,7 +17,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
-from .config import PluginConfig, for_request
+from .config import SUPPORTED, ConfigError, PluginConfig, for_request
 from .state import BATCH, ENGINE, Row
 
 
@@ -44,9 +44,16 @@ class KVCacheRequests(LogitsProcessor):
             raise ValueError("kvcache vLLM plugin: SamplingParams.extra_args['kvcache'] is given but the engine "
                              "has no kvcache configuration; start it with additional_config={'kvcache': {...}}")
         elif isinstance(raw, dict) and "policy" not in raw:
-            # The options belong to the engine's policy, unknown here: the budget alone.
-            if "cache_length" in raw:
-                for_request(PluginConfig("window", 1 << 30, (), 1), {"cache_length": raw["cache_length"]})
+            # The options belong to the engine's policy, unknown here: they must suit one of the
+            # policies the plugin runs (a misspelt option suits none).
+            errors = []
+            for policy in SUPPORTED:
+                try:
+                    for_request(PluginConfig(policy, 1 << 30, (), 1), raw)
+                    return
+                except ConfigError as e:
+                    errors.append(f"as {policy}: {str(e).split(': ', 1)[1]}")
+            raise ConfigError("kvcache vLLM plugin, SamplingParams.extra_args['kvcache']: " + "; ".join(errors))
         else:
             for_request(PluginConfig("window", 1 << 30, (), 1), raw)
 

@@ -205,3 +205,26 @@ def test_bad_configurations_fail_at_engine_start(tmp_path):
         engine(path, {"policy": "sink", "cache_length": 64, "sink": 4})
     with pytest.raises(ConfigError, match="enable_prefix_caching=False"):
         engine(path, {"policy": "window", "cache_length": 64}, enable_prefix_caching=True)
+
+
+def test_request_options_checked_where_the_engine_is_not_known(monkeypatch):
+    """An API server's own process has not built the engine's model: there a request's options
+    are checked against the policies the plugin runs (a misspelt option suits none); in a process
+    whose engine has no kvcache configuration, options are refused."""
+    from kvcache.vllm.requests import KVCacheRequests
+    from kvcache.vllm.state import ENGINE
+
+    def check(raw):
+        KVCacheRequests.validate_params(SamplingParams(extra_args={"kvcache": raw}))
+
+    monkeypatch.setattr(ENGINE, "config", None)
+    monkeypatch.setattr(ENGINE, "known", False)
+    check({"sinks": 8, "cache_length": 64})
+    check({"policy": "window", "cache_length": 64})
+    with pytest.raises(ConfigError, match="as window: policy 'window' has no option 'sink'.*as sink: policy 'sink' has no option 'sink'"):
+        check({"sink": 4})
+    with pytest.raises(ConfigError, match="policy 'snapkv' is not supported in vLLM yet"):
+        check({"policy": "snapkv"})
+    monkeypatch.setattr(ENGINE, "known", True)
+    with pytest.raises(ValueError, match="the engine has no kvcache configuration"):
+        check({"cache_length": 64})
