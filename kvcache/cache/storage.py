@@ -45,6 +45,9 @@ class Storage(Protocol):
       * ``settle`` and ``keep`` move tokens without changing their bits (the one exception: a
         KIVI key moved out of its per-channel group is re-quantized per token, once).
       * a rejected call changes nothing; ``reset`` empties every slot.
+      * ``keeps_in_place``: the storage keeps more of its bits when a ``keep`` leaves kept
+        slots where they are (``in_place`` says where each candidate goes then); others take
+        candidates in any order.
     """
 
     pos: torch.Tensor
@@ -52,6 +55,7 @@ class Storage(Protocol):
     layout: str
     packed: bool
     exact_roundtrip: bool
+    keeps_in_place: bool
 
     @classmethod
     def build(cls, spec: CacheSpec, bits: int, group: int | None, per_head: bool = False) -> Storage:
@@ -163,6 +167,46 @@ def check_storage(name: str, head_dim: int) -> StorageKind:
     if check is not None:
         check(name, kind.bits, kind.group, head_dim)
     return kind
+
+
+def in_place(index: torch.Tensor, stored: int, live: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where an evicting cache's ``keep`` puts its candidates when the storage prefers its kept
+    slots to stay where they are (``Storage.keeps_in_place``: KIVI, whose per-channel key
+    groups survive only for keys that do not move).
+
+    index: (B, Hp, C) the candidates to keep, in rank order; candidates [0, stored) are slots
+    [0, stored). live: (B, Hp, 1) long, how many of the ranks are kept (the slots [0, live)
+    they must fill; default C): ranks from ``live`` on are placed after them in rank order.
+    A kept rank whose candidate is a slot below ``live`` stays in that slot; the other kept
+    ranks fill the slots below ``live`` left free, in rank and slot order.
+
+    Returns ``placed`` (B, Hp, C), the candidate for each slot (what ``keep`` takes as its
+    index, and what the cache gathers its statistics by), and ``rank`` (B, Hp, C), each slot's
+    rank in ``index``. With stored 0 every candidate is new: ``index`` itself, in rank order.
+    """
+    B, Hp, C = index.shape
+    ranks = torch.arange(C, device=index.device).expand(B, Hp, C)
+    if not stored:
+        return index, ranks
+    live = torch.full((B, Hp, 1), C, dtype=torch.long, device=index.device) if live is None else live
+    kept = ranks < live
+    stays = kept & (index < torch.minimum(live, torch.tensor(stored, device=index.device)))
+    # Slot of each staying rank; the others aim at a spare column C.
+    target = torch.where(stays, index, C)
+    taken = torch.zeros(B, Hp, C + 1, dtype=torch.bool, device=index.device).scatter_(2, target, True)[..., :C]
+    # Free slots below ``live`` in slot order, then the slots from ``live`` on.
+    slot = ranks
+    free_key = torch.where(taken, 2 * C, torch.where(slot < live, slot, C + slot))
+    free = free_key.argsort(dim=-1, stable=True)
+    # Moving ranks: the kept ones in rank order, then the dropped ones.
+    move_key = torch.where(stays, 2 * C, ranks)
+    movers = move_key.argsort(dim=-1, stable=True)
+    n_move = C - stays.sum(-1, keepdim=True)
+    slot_of_rank = target.clone()
+    slot_of_rank.scatter_(2, movers, torch.where(ranks < n_move, free, target.gather(2, movers)))
+    placed = torch.empty_like(index).scatter_(2, slot_of_rank, index)
+    rank = torch.empty_like(index).scatter_(2, slot_of_rank, ranks.contiguous())
+    return placed, rank
 
 
 def make_storage(spec: CacheSpec, per_head: bool = False) -> Storage:

@@ -15,7 +15,7 @@ from kvcache.quant.codes import decode_tokens, encode_tokens, quantize, unpack
 from kvcache.cache.storages import kivi as kivi_module
 from kvcache.cache.storages.kivi import KiviStorage
 from kvcache.cache.storages.token import TokenStorage
-from kvcache.cache.storage import STORAGES, make_storage, parse_storage
+from kvcache.cache.storage import STORAGES, in_place, make_storage, parse_storage
 from kvcache.cache.storages.full import FullStorage
 from kvcache.cli import main
 from kvcache.kernels import CHANNEL, RESIDUAL, TOKEN, PackedKeys, PackedValues
@@ -402,6 +402,60 @@ def test_kivi_eviction_inside_a_group_keeps_its_scales():
     untouched = torch.ones(2, 8, dtype=torch.bool, device=DEVICE)
     untouched[0, 1] = untouched[1, 6] = False
     assert torch.equal(store.k[0, :, :8][untouched], codes[0, :, :8][untouched])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_in_place_keeps_survivors_in_their_slots(seed):
+    """Kept ranks fill slots [0, live): a stored candidate below ``live`` in its own slot, the
+    others in the slots left free, in rank and slot order; dropped ranks after them."""
+    gen = torch.Generator().manual_seed(seed)
+    B, Hp, C, N = 2, 3, 16, 24
+    index = torch.stack([torch.randperm(N, generator=gen)[:C] for _ in range(B * Hp)]).view(B, Hp, C)
+    live = torch.randint(C // 2, C + 1, (B, Hp, 1), generator=gen)
+    placed, rank = in_place(index, C, live)
+    slot = torch.arange(C)
+    assert torch.equal(rank.sort(-1).values, slot.expand(B, Hp, C))
+    assert torch.equal(index.gather(2, rank), placed)
+    assert torch.equal(rank < live, (slot < live).expand(B, Hp, C))
+    stays = (index < live) & (slot < live)
+    assert torch.equal(placed.gather(2, torch.where(stays, index, 0)), torch.where(stays, index, placed[..., :1]))
+    for b in range(B):
+        for h in range(Hp):
+            n = int(live[b, h])
+            moved = [int(r) for j, r in enumerate(rank[b, h, :n]) if int(placed[b, h, j]) != j]
+            assert moved == sorted(moved) and rank[b, h, n:].tolist() == sorted(rank[b, h, n:].tolist())
+            assert int(stays[b, h].sum()) + len(moved) == n
+    assert in_place(index, 0)[0] is index
+
+
+def test_kivi_keep_in_place_keeps_keys_per_channel():
+    """A scoring cache's keep over sealed KIVI groups: in rank order nearly every survivor moves
+    and is re-quantized per token; placed by ``in_place`` every survivor stays and each group is
+    sealed again with the new tokens in it: every key is per channel, within half a step of its
+    old group's scale and half of its new group's of what was written."""
+    C, G = 64, 8
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 2, C, 8, generator=gen).to(DEVICE)
+    new = torch.randn(1, 2, 16, 8, generator=gen).to(DEVICE)
+    prio = torch.rand(1, 1, C + 16, generator=gen)
+    index = prio.argsort(-1, descending=True)[..., :C].to(DEVICE)
+    channel = {}
+    for placement in ("rank", "in_place"):
+        store = _kivi(C=C, G=G, per_head=False)
+        store.write_slice(0, x, x, torch.arange(C, device=DEVICE)[None])
+        assert bool((store.k_mode[:, :, :C] == CHANNEL).all())
+        old = store.k_channel[:, :, : C // G, 0].float().repeat_interleave(G, 2)  # (B, H, C, D)
+        ks, vs, pos = store.view(C)
+        cand_pos = torch.cat((pos, torch.arange(C, C + 16, device=DEVICE)[None, None]), 2)
+        idx = index if placement == "rank" else in_place(index, C)[0]
+        store.keep(ks.with_tail(new), vs.with_tail(new), cand_pos, idx, stored=C)
+        channel[placement] = int((store.k_mode[0, 0, :C] == CHANNEL).sum())
+        assert sorted(store.pos[0, 0, :C].tolist()) == sorted(cand_pos[0, 0].gather(0, index[0, 0]).tolist())
+    assert channel["in_place"] == C and channel["rank"] < C // 4
+    written = torch.cat((x, new), 2).gather(2, idx[:, :, :, None].expand(1, 2, C, 8))
+    k, _, _ = decoded(store, C)
+    step = store.k_channel[:, :, : C // G, 0].float().repeat_interleave(G, 2)
+    assert bool(((k - written).abs() <= (old + step) / 2 * 1.001 + 1e-6).all())
 
 
 def test_kivi_a_token_inside_the_open_group_abandons_it():

@@ -17,6 +17,8 @@ class FullStorage:
     layout = "full"
     packed = False
     exact_roundtrip = True
+    # Slots hold what they are given, wherever it lands.
+    keeps_in_place = False
 
     @staticmethod
     def describe(bits: int | None = None) -> str:

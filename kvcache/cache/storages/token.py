@@ -29,6 +29,8 @@ class TokenStorage:
     packed = True
     # A chunk attends its new tokens exactly as they will be stored (``roundtrip``).
     exact_roundtrip = True
+    # A token's codes do not depend on its slot.
+    keeps_in_place = False
 
     @staticmethod
     def describe(bits: int) -> str:
