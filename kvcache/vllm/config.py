@@ -9,6 +9,7 @@ This module does not import vLLM.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import torch
@@ -59,15 +60,21 @@ def parse(raw: object, block: int) -> PluginConfig:
 
 
 def for_request(engine: PluginConfig, raw: object) -> PluginConfig:
-    """The configuration of one request: ``raw`` (``SamplingParams.extra_args["kvcache"]``) over
-    the engine's. A request that names another policy starts from that policy's defaults and the
+    """The configuration of one request: ``raw`` (``SamplingParams.extra_args["kvcache"]``, an
+    object or its JSON text) over the engine's. A request that names another policy starts from that policy's defaults and the
     engine's ``cache_length``; one that names none (or the engine's) overrides the engine's
     options one by one. ConfigError (prefixed with where the object came from) when the result
     is not a configuration ``parse`` accepts."""
     try:
+        if isinstance(raw, str):
+            # The OpenAI-compatible server's vllm_xargs takes flat values only: the object's JSON text.
+            try:
+                raw = json.loads(raw)
+            except json.JSONDecodeError:
+                pass
         if not isinstance(raw, dict):
             raise ValueError(f'expected an object such as {{"cache_length": 512}} or '
-                             f'{{"policy": "window", "cache_length": 256}}, got {raw!r}')
+                             f'{{"policy": "window", "cache_length": 256}} (or its JSON text), got {raw!r}')
         base: dict = {"policy": engine.policy, "cache_length": engine.cache_length}
         if raw.get("policy", engine.policy) == engine.policy:
             base.update(engine.options)

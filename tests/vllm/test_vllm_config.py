@@ -87,6 +87,7 @@ ENGINE = {"policy": "sink", "cache_length": 96, "sinks": 32}
 @pytest.mark.parametrize("raw, want", [
     ({}, ("sink", 96, {"sinks": 32, "positions": "absolute"})),
     ({"cache_length": 64}, ("sink", 64, {"sinks": 32, "positions": "absolute"})),
+    ('{"cache_length": 64}', ("sink", 64, {"sinks": 32, "positions": "absolute"})),
     ({"sinks": 64, "cache_length": 160}, ("sink", 160, {"sinks": 64, "positions": "absolute"})),
     # Another policy starts from its own defaults and the engine's budget.
     ({"policy": "window"}, ("window", 96, {})),
@@ -100,6 +101,7 @@ def test_request_options_override_the_engine_configuration(raw, want):
 
 @pytest.mark.parametrize("raw, message", [
     ("sink", "expected an object such as"),
+    ("[1]", "expected an object such as .* got \\[1\\]"),
     ({"sink": 4}, "policy 'sink' has no option 'sink'; valid options: sinks, positions"),
     ({"cache_length": 32}, "sinks \\(32\\) must be smaller than cache_length \\(32\\)"),
     ({"policy": "window", "cache_length": 16}, "block=32 does not fit the window policy's smallest budget"),

@@ -127,7 +127,8 @@ def test_tokens_equal_kvcache_and_blocks_stay_within_budget(checkpoint, policy):
 ENGINE_CONFIG = {"policy": "sink", "cache_length": 96, "sinks": 32}
 REQUEST_OPTIONS = [
     (None, ENGINE_CONFIG),
-    ({"cache_length": 64}, {"policy": "sink", "cache_length": 64, "sinks": 32}),
+    # As text, as the OpenAI-compatible server's vllm_xargs (flat values only) carries it.
+    ('{"cache_length": 64}', {"policy": "sink", "cache_length": 64, "sinks": 32}),
     ({"policy": "window", "cache_length": 64}, {"policy": "window", "cache_length": 64}),
     ({"sinks": 64, "cache_length": 160}, {"policy": "sink", "cache_length": 160, "sinks": 64}),
 ]
