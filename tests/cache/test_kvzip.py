@@ -183,3 +183,19 @@ def test_listed_by_the_registry_and_the_command_line(capsys):
 
     main(["policies"])
     assert "kvzip" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("policy,block", [("kvzip:int8", 1), ("kvzip:int4", 1), ("kvzip", 4)])
+def test_the_pass_runs_over_quantized_storages_and_whole_blocks(llama, policy, block):
+    n, C, R = 40, 16, 4
+    ctx = context_ids(n, seed=11)
+    with torch.inference_mode():
+        cache = kvcache.make_cache(llama, policy, cache_length=C, reserve=R, block=block, sinks=0)
+        kvzip.prefill(llama, cache, ctx, repeat=REPEAT, chunk=24)
+    assert cache.lengths.tolist() == [n]
+    for layer in cache.layers:
+        for got in held(layer):
+            assert 0 < len(got) <= C - R and max(got) < n
+            if block > 1:
+                # Whole aligned blocks (the newest, partial one may be cut at the context's end).
+                assert all({b - b % block + i for i in range(block)} <= got | set(range(n, n + block)) for b in got)
