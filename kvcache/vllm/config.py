@@ -66,12 +66,7 @@ def for_request(engine: PluginConfig, raw: object) -> PluginConfig:
     options one by one. ConfigError (prefixed with where the object came from) when the result
     is not a configuration ``parse`` accepts."""
     try:
-        if isinstance(raw, str):
-            # The OpenAI-compatible server's vllm_xargs takes flat values only: the object's JSON text.
-            try:
-                raw = json.loads(raw)
-            except json.JSONDecodeError:
-                pass
+        raw = decoded(raw)
         if not isinstance(raw, dict):
             raise ValueError(f'expected an object such as {{"cache_length": 512}} or '
                              f'{{"policy": "window", "cache_length": 256}} (or its JSON text), got {raw!r}')
@@ -81,6 +76,17 @@ def for_request(engine: PluginConfig, raw: object) -> PluginConfig:
         return _parse({**base, **raw}, engine.block)
     except ValueError as e:
         raise ConfigError(f"kvcache vLLM plugin, SamplingParams.extra_args['kvcache']: {e}") from None
+
+
+def decoded(raw: object) -> object:
+    """A request's ``extra_args["kvcache"]``, its JSON text read (the OpenAI-compatible server's
+    vllm_xargs takes flat values only); anything else as given."""
+    if isinstance(raw, str):
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError:
+            pass
+    return raw
 
 
 def request_key(raw: object) -> object:

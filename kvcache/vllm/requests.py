@@ -17,7 +17,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
-from .config import SUPPORTED, ConfigError, PluginConfig, for_request
+from .config import SUPPORTED, ConfigError, PluginConfig, decoded, for_request
 from .state import BATCH, ENGINE, Row
 
 
@@ -35,7 +35,7 @@ class KVCacheRequests(LogitsProcessor):
         configuration where this process knows it (the engine runs here), otherwise (an API
         server in a process of its own) as far as possible without it: names, types and values
         against the policy, with blocks of one token (rule.request_rule covers the rest)."""
-        raw = options(sampling_params)
+        raw = decoded(options(sampling_params))
         if raw is None:
             return
         if ENGINE.config is not None:
