@@ -628,6 +628,55 @@ def kept_check(model_dir: Path, ids: list[int], ratios: list[float]) -> list[dic
     return rows
 
 
+@torch.inference_mode()
+def kvzip_check(model_dir: Path, ids: list[int], ratios: list[float]) -> list[dict]:
+    """KVzipPress's reconstruction scores against kvcache's kvzip on the same ids (one chunk, no
+    chat template, the same repeat prompt). kvpress spreads its budget over heads, kvcache keeps
+    the same count per head, so the kept sets are compared per head against the top
+    ``int((1 - ratio) * n)`` of kvpress's scores. Without a chat template the press's sinks are
+    scored like every other token (its first chunk's scores overwrite the 1.0 it gives them), so
+    kvcache runs with ``sinks=0``. ``max_score_diff`` is the largest difference between the two
+    engines' scores of the tokens kvcache keeps."""
+    import kvpress
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from kvcache import kvzip
+
+    class Recorded(kvpress.KVzipPress):
+        def compress_post(self, model):
+            self.recorded = self.score_val.float().clone()  # (layers, 1, Hkv, n), reset on exit
+            super().compress_post(model)
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    model = kvcache.load(model_dir, dtype=torch.float32)
+    tok = kvcache.load_tokenizer(model_dir)
+    x = torch.tensor([ids])
+    rows = []
+    for ratio in ratios:
+        press = Recorded(compression_ratio=ratio, layerwise=True)
+        with press(hf):
+            hf(input_ids=x, past_key_values=DynamicCache())
+        theirs = press.recorded[:, 0]  # (layers, Hkv, n)
+        kept = max(1, int(len(ids) * (1 - ratio)))
+        cache = kvcache.make_cache(model, "kvzip", cache_length=kept, sinks=0)
+        kvzip.prefill(model, cache, x, repeat=kvzip.repeat_ids(tok), chunk=None)
+        same = total = 0
+        worst = 0.0
+        for i, layer in enumerate(cache.layers):
+            for h in range(theirs.shape[1]):
+                pos = layer.storage.pos[0, h, :kept]
+                mine = set(pos.tolist())
+                top = set(theirs[i, h].topk(kept).indices.tolist())
+                same += mine == top
+                total += 1
+                diff = (layer.stats["score"][0, h, :kept] - theirs[i, h][pos]).abs().max()
+                worst = max(worst, float(diff))
+        rows.append({"press": "KVzipPress(layerwise=True)", "policy": "kvzip", "options": {"sinks": 0}, "ratio": ratio,
+                     "tokens": len(ids), "kept": kept, "identical_heads": same / total, "max_score_diff": worst})
+        log(f"kvzip {ratio:<5} identical heads {same}/{total}, largest score difference {worst:.2e}")
+    return rows
+
+
 # ---------------------------------------------------------------------------------------------
 # RULER side by side: the same RULER prompts (kvcache.eval.ruler), query-agnostic
 
@@ -742,6 +791,9 @@ def main(argv=None) -> None:
                     help="only compare the kept positions of KnormPress, KeyDiffPress, RandomPress, LagKVPress and "
                          "CriticalKVPress with kvcache's knorm, keydiff, random, lagkv and critical on the first "
                          "--lengths tokens of the texts")
+    ap.add_argument("--kvzip-check", action="store_true",
+                    help="only compare KVzipPress's reconstruction scores and per-head top positions with kvcache's "
+                         "kvzip on the first --lengths tokens of the texts (one chunk: at most 2048)")
     args = ap.parse_args(argv)
     if args.make_tiny:
         make_tiny(args.make_tiny, args.tokenizer_from)
@@ -766,6 +818,10 @@ def main(argv=None) -> None:
         tok = kvcache.load_tokenizer(args.model)
         ids = read_texts(args.texts, tok)[: args.lengths[0]].tolist()
         report = {"kept_check": kept_check(args.model, ids, args.ratios), "torch": torch.__version__}
+    elif args.kvzip_check:
+        tok = kvcache.load_tokenizer(args.model)
+        ids = read_texts(args.texts, tok)[: args.lengths[0]].tolist()
+        report = {"kvzip_check": kvzip_check(args.model, ids, args.ratios), "torch": torch.__version__}
     else:
         report = run(args)
     text = json.dumps(report, indent=1)

@@ -31,8 +31,9 @@ REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
 
 def repeat_ids(tokenizer, closing: str = "\n") -> list[int]:
     """The reconstruction prompt's ids: KVzip's instruction, then ``closing`` (the chat template's
-    text after a user message, with ``--chat``; a newline otherwise, as kvpress does)."""
-    return tokenizer.encode(REPEAT_PROMPT + closing, add_special_tokens=False)
+    text after a user message, with ``--chat``; a newline otherwise), each tokenized on its own
+    as kvpress's KVzipPress does."""
+    return tokenizer.encode(REPEAT_PROMPT, add_special_tokens=False) + tokenizer.encode(closing, add_special_tokens=False)
 
 
 def _rows(ids: object, what: str, device: torch.device) -> torch.Tensor:
