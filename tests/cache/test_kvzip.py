@@ -199,3 +199,15 @@ def test_the_pass_runs_over_quantized_storages_and_whole_blocks(llama, policy, b
             if block > 1:
                 # Whole aligned blocks (the newest, partial one may be cut at the context's end).
                 assert all({b - b % block + i for i in range(block)} <= got | set(range(n, n + block)) for b in got)
+
+
+def test_rows_of_a_batch_are_compressed_as_alone(llama):
+    from conftest import random_ids
+
+    ctx, rest = random_ids(30, batch=2, seed=21), random_ids(4, batch=2, seed=22)
+    with torch.inference_mode():
+        both = kvzip.generate(llama, kvcache.make_cache(llama, "kvzip", cache_length=14, reserve=6, batch_size=2),
+                              ctx, rest, repeat=REPEAT, max_new_tokens=5, stop_tokens=())
+        alone = [kvzip.generate(llama, kvcache.make_cache(llama, "kvzip", cache_length=14, reserve=6),
+                                ctx[b], rest[b], repeat=REPEAT, max_new_tokens=5, stop_tokens=())[0] for b in range(2)]
+    assert both == alone
