@@ -42,7 +42,7 @@ from .. import attention
 from .base import CacheSpec, LayerCache, Step
 from .blocks import keep_whole_blocks
 from .candidates import Candidates
-from .storage import make_storage
+from .storage import in_place, make_storage
 
 # Added to a priority to make a candidate outrank every scored one (sinks, the recent window).
 PROTECTED = 1e30
@@ -302,18 +302,23 @@ class EvictingCache(LayerCache):
         # Newest first, then a stable sort by priority: ties keep the newer token, whatever the slot order.
         by_age = cand_pos.argsort(dim=-1, descending=True, stable=True)
         ranked = prio.gather(2, by_age).sort(dim=-1, descending=True, stable=True).indices
-        keep = by_age.gather(2, ranked[..., :C])  # (B, Hp, C)
+        keep = by_age.gather(2, ranked[..., :C])  # (B, Hp, C), in rank order
+        held = kept if self.spec.block > 1 else torch.where(over, C - self.spec.reserve, total)
+        if self.storage.keeps_in_place:
+            # Survivors stay in their slots (KIVI keeps its per-channel key groups for keys that do
+            # not move); the kept ranks still fill slots [0, held), the dropped ones follow.
+            live = held.to(keep.device)[:, None, None].expand(-1, keep.shape[1], 1)
+            keep, _ = in_place(keep, stored, live)
         self.storage.keep(cand_k, cand_v, cand_pos, keep, stored=stored)
         for name, s in self.stats.items():
             s[:, :, :C] = stats[name].gather(2, keep)
+        self.held = held
         if self.spec.block > 1:
             # Slots hold the kept candidates first; each head's dropped ones (past its own count) are emptied.
-            self.held = kept
             self.storage.pos[:, :, :C].masked_fill_(prio.gather(2, keep) == EMPTY, -1)
             return
-        self.held = torch.where(over, C - self.spec.reserve, total)
         if self.spec.reserve and bool(over.any()):
-            # Slots hold candidates in rank order: past a row's ``held`` are the ones it drops.
+            # Slots [0, held) hold the kept candidates: past a row's ``held`` are the ones it drops.
             dropped = torch.arange(C, device=cand_pos.device) >= self.held.to(cand_pos.device)[:, None, None]
             self.storage.pos[:, :, :C].masked_fill_(dropped, -1)
 
