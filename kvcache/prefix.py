@@ -37,7 +37,7 @@ import stat
 import time
 import warnings
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
