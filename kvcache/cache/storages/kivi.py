@@ -285,7 +285,7 @@ class KiviStorage(TokenStorage):
             fresh = (src_mode[..., : NG * G] == NEW).view(B, H, NG, G)
             whole = fresh.all(-1)  # (B, H, NG)
             if bool(whole.any()):
-                self._seal_new(new_k, idx[..., : NG * G] - stored, whole, mode)
+                self._seal_kept(new_k, idx[..., : NG * G] - stored, whole, mode)
             # Groups of kept keys that stayed in place and new tokens (what ``in_place`` makes):
             # sealed again, so that the new tokens are kept per channel too.
             unmoved = (stays[..., : NG * G].view(B, H, NG, G) | fresh).all(-1)
@@ -294,7 +294,7 @@ class KiviStorage(TokenStorage):
             occupied = (self.pos[:, :, : NG * G] >= 0).expand(B, H, NG * G).reshape(B, H, NG, G).all(-1)
             again = unmoved & occupied & ~sealed & ~whole
             if bool(again.any()):
-                self._reseal(new_k, idx[..., : NG * G] - stored, fresh.flatten(2), again, mode)
+                self._seal_kept(new_k, idx[..., : NG * G] - stored, again, mode, fresh.flatten(2))
         self._mark_channel(mode == CHANNEL)
         self.res_start.fill_(-1)
         self.fill.zero_()
@@ -316,44 +316,26 @@ class KiviStorage(TokenStorage):
             self.k[:, :, j0:j1] = torch.where(m[..., None], codes, self.k[:, :, j0:j1])
             self.k_meta[:, :, j0:j1] = torch.where(m[..., None], km, self.k_meta[:, :, j0:j1])
 
-    def _seal_new(self, new_k: torch.Tensor, src: torch.Tensor, whole: torch.Tensor, mode: torch.Tensor) -> None:
-        """Quantize per channel the groups (``whole`` (B, H, NG)) that receive only new tokens;
-        ``src`` (B, H, NG * group) indexes each slot's token in ``new_k`` (B, H, T, D)."""
-        B, H, NG = whole.shape
+    def _seal_kept(self, new_k: torch.Tensor, src: torch.Tensor, groups: torch.Tensor, mode: torch.Tensor,
+              fresh: torch.Tensor | None = None) -> None:
+        """Quantize per channel the groups ``groups`` (B, H, NG). Each of their slots holds a new
+        token (at ``src`` (B, H, NG * group) in ``new_k`` (B, H, T, D)) where ``fresh`` (B, H,
+        NG * group) says so, or everywhere without ``fresh``; elsewhere a kept key in its own
+        slot, read as it is now (its group's scales, its own, or the residual). A kept key
+        re-quantized over a range that the new tokens did not widen gets its codes back."""
+        B, H, NG = groups.shape
         G, D = self.key_group, self.head_dim
+        keys = None if fresh is None else self.view(NG * G)[0]
         step = max(1, 1024 // G)
         for g0 in range(0, NG, step):
             g1 = min(g0 + step, NG)
-            w = whole[..., g0:g1]
+            w = groups[..., g0:g1]
             if not bool(w.any()):
                 continue
             j0, j1 = g0 * G, g1 * G
             x = new_k.gather(2, src[..., j0:j1].clamp(min=0)[..., None].expand(B, H, j1 - j0, D))
-            q, scale, zero = quantize(x.view(B, H, g1 - g0, G, D), self.bits, dim=3)
-            slot_w = w.repeat_interleave(G, -1)
-            self.k[:, :, j0:j1] = torch.where(slot_w[..., None], pack(q, self.bits).flatten(2, 3), self.k[:, :, j0:j1])
-            meta = torch.cat((scale, zero), 3)  # (B, H, n, 2, D)
-            self.k_channel[:, :, g0:g1] = torch.where(w[..., None, None], meta, self.k_channel[:, :, g0:g1])
-            mode[..., j0:j1] = torch.where(slot_w, CHANNEL, mode[..., j0:j1])
-
-    def _reseal(self, new_k: torch.Tensor, src: torch.Tensor, fresh: torch.Tensor, again: torch.Tensor,
-                mode: torch.Tensor) -> None:
-        """Quantize per channel the groups ``again`` (B, H, NG) whose slots hold either a new token
-        (``fresh`` (B, H, NG * group), at ``src`` in ``new_k`` (B, H, T, D)) or a kept key in its
-        own slot, read as it is now (its group's scales, its own, or the residual). A kept key
-        re-quantized over a range that the new tokens did not widen gets its codes back."""
-        B, H, NG = again.shape
-        G, D = self.key_group, self.head_dim
-        keys = self.view(NG * G)[0]
-        step = max(1, 1024 // G)
-        for g0 in range(0, NG, step):
-            g1 = min(g0 + step, NG)
-            w = again[..., g0:g1]
-            if not bool(w.any()):
-                continue
-            j0, j1 = g0 * G, g1 * G
-            new = new_k.gather(2, src[..., j0:j1].clamp(min=0)[..., None].expand(B, H, j1 - j0, D))
-            x = torch.where(fresh[..., j0:j1, None], new, keys.decode(j0, j1).to(new.dtype))
+            if fresh is not None:
+                x = torch.where(fresh[..., j0:j1, None], x, keys.decode(j0, j1).to(x.dtype))
             q, scale, zero = quantize(x.view(B, H, g1 - g0, G, D), self.bits, dim=3)
             slot_w = w.repeat_interleave(G, -1)
             self.k[:, :, j0:j1] = torch.where(slot_w[..., None], pack(q, self.bits).flatten(2, 3), self.k[:, :, j0:j1])
