@@ -80,6 +80,7 @@ def prefill(model, cache: KVCache, context: object, *, repeat: Sequence[int], ch
             continue
         cue = ids[:, max(0, a - overlap) : a]
         call = torch.cat((part, rep.expand(B, -1), cue, part), 1)
+        model.check_token_ids(call)  # as forward checks them: model.run below does not
         for layer in cache.layers:
             layer.record(m)
         try:
@@ -114,20 +115,19 @@ def generate(model, cache: KVCache, context: object, rest: object = None, *, rep
         stop_tokens = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
     stops = set(stop_tokens)
     cache.reset()
-    with torch.inference_mode():
-        logits = prefill(model, cache, ids, repeat=repeat, chunk=chunk)
-        if tail is not None:
-            logits = model(tail, cache, last_only=True)[:, 0]
-        B = ids.shape[0]
-        out: list[list[int]] = [[] for _ in range(B)]
-        done = [False] * B
-        for i in range(max_new_tokens):
-            tokens = logits.argmax(-1)
-            for b, t in enumerate(tokens.tolist()):
-                if not done[b]:
-                    out[b].append(t)
-                    done[b] = t in stops
-            if all(done) or i == max_new_tokens - 1:
-                break
-            logits = model(tokens[:, None], cache)[:, -1]
+    logits = prefill(model, cache, ids, repeat=repeat, chunk=chunk)
+    if tail is not None:
+        logits = model(tail, cache, last_only=True)[:, 0]
+    B = ids.shape[0]
+    out: list[list[int]] = [[] for _ in range(B)]
+    done = [False] * B
+    for i in range(max_new_tokens):
+        tokens = logits.argmax(-1)
+        for b, t in enumerate(tokens.tolist()):
+            if not done[b]:
+                out[b].append(t)
+                done[b] = t in stops
+        if all(done) or i == max_new_tokens - 1:
+            break
+        logits = model(tokens[:, None], cache)[:, -1]
     return out

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kvcache
-from conftest import max_diff
+from conftest import DEVICE, max_diff
 from kvcache import kvzip
 from kvcache.rope import apply_rope
 from policy_util import EXACT_ATOL
@@ -211,3 +211,11 @@ def test_rows_of_a_batch_are_compressed_as_alone(llama):
         alone = [kvzip.generate(llama, kvcache.make_cache(llama, "kvzip", cache_length=14, reserve=6),
                                 ctx[b], rest[b], repeat=REPEAT, max_new_tokens=5, stop_tokens=())[0] for b in range(2)]
     assert both == alone
+
+
+def test_the_pass_rejects_ids_outside_the_vocabulary_before_touching_the_cache(llama):
+    cache = kvcache.make_cache(llama, "kvzip", cache_length=8)
+    ids = torch.full((1, 12), llama.config.vocab_size + 3, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match="outside"):
+        kvzip.prefill(llama, cache, ids, repeat=[5, 6])
+    assert cache.lengths.tolist() == [0] and bool((cache.layers[0].storage.pos == -1).all())
