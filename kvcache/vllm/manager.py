@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 from vllm.v1.request import Request
 
+from .requests import options
 from .rule import BlockRule, request_rule
 from .spec import KVCacheAttentionSpec
 
@@ -43,9 +44,7 @@ class KVCacheBlockManager(FullAttentionManager):
         the engine's configuration), once per admission (a preempted request is freed, then
         admitted again)."""
         if request.request_id not in self.rules:
-            extra = request.sampling_params.extra_args if request.sampling_params is not None else None
-            raw = extra.get("kvcache") if isinstance(extra, dict) else None
-            self.rules[request.request_id] = request_rule(self.engine, raw)
+            self.rules[request.request_id] = request_rule(self.engine, options(request.sampling_params))
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
                               num_prompt_tokens: int | None = None) -> None:
