@@ -80,13 +80,21 @@ class BlockRule:
 
 
 _RULES: dict[object, BlockRule] = {}
+# Rules kept at most: requests may each bring options of their own, and a server must not keep
+# one rule per request ever seen. Past this the cache starts again (a rule is cheap to build).
+MAX_RULES = 4096
+
+
+def _remember(key: object, rule: BlockRule) -> BlockRule:
+    if len(_RULES) >= MAX_RULES:
+        _RULES.clear()
+    _RULES[key] = rule
+    return rule
 
 
 def rule_of(config: PluginConfig) -> BlockRule:
     """The rule of ``config``, built once per process."""
-    if config not in _RULES:
-        _RULES[config] = BlockRule(config)
-    return _RULES[config]
+    return _RULES[config] if config in _RULES else _remember(config, BlockRule(config))
 
 
 def request_rule(engine: PluginConfig, raw: object) -> BlockRule:
@@ -100,10 +108,11 @@ def request_rule(engine: PluginConfig, raw: object) -> BlockRule:
     if raw is None:
         return rule_of(engine)
     key = (engine, request_key(raw))
-    if key not in _RULES:
-        try:
-            _RULES[key] = rule_of(for_request(engine, raw))
-        except ConfigError as e:
-            logging.getLogger(__name__).warning("%s; the request runs with the engine's configuration", e)
-            _RULES[key] = rule_of(engine)
-    return _RULES[key]
+    if key in _RULES:
+        return _RULES[key]
+    try:
+        rule = rule_of(for_request(engine, raw))
+    except ConfigError as e:
+        logging.getLogger(__name__).warning("%s; the request runs with the engine's configuration", e)
+        rule = rule_of(engine)
+    return _remember(key, rule)
