@@ -264,15 +264,7 @@ class EvictingCache(LayerCache):
         # An empty cache adds no candidates: a prompt that fills it is ranked on its own. (Not
         # with padding, whose values would then fill the slots left empty.)
         stored = 0 if step.fresh and step.uniform and step.num_tokens >= C else C
-        if stored:
-            ks, vs, pos = store.view(C)
-            if store.packed:
-                cand_k, cand_v = ks.with_tail(k), vs.with_tail(v)
-            else:
-                cand_k, cand_v = torch.cat((ks, k), dim=2), torch.cat((vs, v), dim=2)
-            cand_pos = torch.cat((pos, new_pos), dim=2)
-        else:
-            cand_k, cand_v, cand_pos = k, v, new_pos
+        cand_k, cand_v, cand_pos = self._candidates(k, v, new_pos, stored)
         stats = {
             name: torch.cat((s[:, :, :stored], s.new_zeros(s.shape[0], Hp, k.shape[2])), dim=2)
             for name, s in self.stats.items()
@@ -286,6 +278,18 @@ class EvictingCache(LayerCache):
         self._observe(c, mass, seen)
         self._keep(c, stored)
         return out
+
+    def _candidates(self, k, v, new_pos: torch.Tensor, stored: int) -> tuple:
+        """Keys, values (B, Hkv, N, D) and positions (B, Hp, N) of the candidates: the first
+        ``stored`` slots (0 or all C; packed as the storage holds them), then the new tokens k, v
+        (B, Hkv, T, D) at ``new_pos`` (B, Hp, T)."""
+        if not stored:
+            return k, v, new_pos
+        ks, vs, pos = self.storage.view(stored)
+        pos = torch.cat((pos, new_pos), dim=2)
+        if self.storage.packed:
+            return ks.with_tail(k), vs.with_tail(v), pos
+        return torch.cat((ks, k), dim=2), torch.cat((vs, v), dim=2), pos
 
     def _keep(self, c: Candidates, stored: int) -> None:
         """Gather the top-priority ``cache_length`` candidates back into the buffers; the first

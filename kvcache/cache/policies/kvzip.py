@@ -121,15 +121,7 @@ class KVzipCache(EvictingCache):
         k, v = store.roundtrip(k, v)
         chunk_pos = step.positions.unsqueeze(1).expand(-1, Hkv, -1)  # (B, Hkv, T)
         stored = 0 if step.fresh and n >= C else C
-        if stored:
-            ks, vs, pos = store.view(C)
-            if store.packed:
-                cand_k, cand_v = ks.with_tail(k[:, :, :n]), vs.with_tail(v[:, :, :n])
-            else:
-                cand_k, cand_v = torch.cat((ks, k[:, :, :n]), 2), torch.cat((vs, v[:, :, :n]), 2)
-            cand_pos = torch.cat((pos, chunk_pos[:, :, :n]), 2)
-        else:
-            cand_k, cand_v, cand_pos = k[:, :, :n], v[:, :, :n], chunk_pos[:, :, :n]
+        cand_k, cand_v, cand_pos = self._candidates(k[:, :, :n], v[:, :, :n], chunk_pos[:, :, :n], stored)
         stats = {name: torch.cat((s[:, :, :stored], s.new_zeros(B, Hkv, n)), 2) for name, s in self.stats.items()}
         context_step = _context_step(step, n)
         c = Candidates(cand_k, cand_v, cand_pos, stats, q[:, :, :n], context_step)
