@@ -22,7 +22,13 @@ KV memory for three dense requests. The issue's setting (16 x 8k, cache_length 1
 
 Usage (in an environment with kvcache[vllm]):
     python benchmarks/vllm.py [--requests 16] [--prompt 4096] [--new-tokens 128] [--cache-length 512]
-                              [--policy sink] [--sinks 64] [--kv-tokens 12800] [--out FILE]
+                              [--policy sink[,window,snapkv,h2o,...]] [--sinks 64] [--options JSON]
+                              [--kv-tokens 12800] [--out FILE]
+
+With several policies, each runs as an engine of its own, in turn with plain vLLM, and its
+median decode step (all requests decoding together) is compared with the first policy's: the
+cost of scoring on the worker (h2o observes every step; snapkv, knorm, keydiff and tova only at
+the end of the prompt and when a block is evicted).
 Prints one JSON object on stdout.
 """
 
@@ -46,6 +52,8 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 import torch  # noqa: E402
+
+from kvcache.vllm.config import SUPPORTED  # noqa: E402
 
 BLOCK = 32
 
@@ -78,14 +86,21 @@ def run(path: Path, args, kv_bytes: int, kvcache_config: dict | None, prompts: l
     manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
     running, steps, most_blocks, preempted = [], 0, 0, set()
+    decode_times: list[float] = []  # steps in which every running request was past its prompt
     outputs = {}
     start = time.perf_counter()
     for i, ids in enumerate(prompts):
         engine.add_request(str(i), TokensPrompt(prompt_token_ids=ids), params)
     while engine.has_unfinished_requests():
+        decoding = bool(scheduler.running) and not scheduler.waiting and all(
+            r.num_computed_tokens >= r.num_prompt_tokens for r in scheduler.running)
+        width = len(scheduler.running)
+        t0 = time.perf_counter()
         for out in engine.step():
             if out.finished:
                 outputs[out.request_id] = list(out.outputs[0].token_ids)
+        if decoding and width == args.requests:
+            decode_times.append(time.perf_counter() - t0)
         steps += 1
         running.append(len(scheduler.running))
         for request in scheduler.running:
@@ -110,6 +125,10 @@ def run(path: Path, args, kv_bytes: int, kvcache_config: dict | None, prompts: l
         "mean_running": round(sum(running) / len(running), 2),
         "preempted_requests": len(preempted),
         "max_blocks_per_request_after_prompt": most_blocks,
+        # Median step while all requests decode together (none when they never all ran at once).
+        "decode_step_ms_all_requests": round(1000 * sorted(decode_times)[len(decode_times) // 2], 2)
+        if decode_times else None,
+        "decode_steps_timed": len(decode_times),
     }
 
 
@@ -118,9 +137,13 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--prompt", type=int, default=4096, help="prompt tokens per request")
     p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--policy", default="sink", choices=("sink", "window"))
+    p.add_argument("--policy", default="sink",
+                   help="kvcache policy, or several separated by commas, each run as its own engine "
+                        f"(supported: {', '.join(SUPPORTED)})")
     p.add_argument("--cache-length", type=int, default=512)
     p.add_argument("--sinks", type=int, default=64, help="sink policy only")
+    p.add_argument("--options", type=json.loads, default={},
+                   help="further policy options as JSON, applied to every policy that has them, e.g. '{\"window\": 32}'")
     p.add_argument("--kv-tokens", type=int, default=12800, help="KV cache memory of each engine, in tokens")
     p.add_argument("--batched-tokens", type=int, default=2048, help="vLLM's max_num_batched_tokens (prefill chunk)")
     p.add_argument("--repeats", type=int, default=2, help="runs per engine, taking turns; the fastest is reported")
@@ -129,23 +152,34 @@ def main() -> None:
 
     import vllm
 
-    kvcache_config = {"policy": args.policy, "cache_length": args.cache_length}
-    if args.policy == "sink":
-        kvcache_config["sinks"] = args.sinks
+    from kvcache import option_info
+
+    configs = {}
+    for policy in args.policy.split(","):
+        if policy not in SUPPORTED:
+            p.error(f"--policy {policy!r}: the plugin runs {', '.join(SUPPORTED)}")
+        names = {o.name for o in option_info(policy)}
+        config = {"policy": policy, "cache_length": args.cache_length}
+        config.update({k: v for k, v in {"sinks": args.sinks, **args.options}.items()
+                       if k in names and (k != "sinks" or policy == "sink")})
+        configs[policy] = config
     g = torch.Generator().manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model(Path(tmp), vocab=512)
         prompts = [torch.randint(3, 512, (args.prompt,), generator=g).tolist() for _ in range(args.requests)]
         kv_bytes = args.kv_tokens * model["kv_bytes_per_token"]
-        runs: dict[str, list[dict]] = {"plain_vllm": [], "vllm_with_kvcache": []}
+        engines = {"plain_vllm": None, **configs}
+        runs: dict[str, list[dict]] = {name: [] for name in engines}
         load = [os.getloadavg()[0]]
         for r in range(args.repeats):
             # The engines take turns, so that a busy spell of the machine does not fall on one alone.
-            for name, config in (("plain_vllm", None), ("vllm_with_kvcache", kvcache_config)):
+            for name, config in engines.items():
                 print(f"{name}, run {r + 1} of {args.repeats} ...", file=sys.stderr)
                 runs[name].append(run(Path(tmp), args, kv_bytes, config, prompts))
                 load.append(os.getloadavg()[0])
-    plain, plugin = (min(runs[name], key=lambda x: x["wall_s"]) for name in runs)
+    best = {name: min(results, key=lambda x: x["wall_s"]) for name, results in runs.items()}
+    plain = best["plain_vllm"]
+    first = next(iter(configs))
     result = {
         "benchmark": "vllm_long_prompts",
         "vllm": vllm.__version__,
@@ -155,10 +189,16 @@ def main() -> None:
         "workload": {"requests": args.requests, "prompt_tokens": args.prompt, "new_tokens": args.new_tokens,
                      "kv_memory_tokens": args.kv_tokens, "kv_memory_bytes": kv_bytes, "block": BLOCK,
                      "max_num_batched_tokens": args.batched_tokens},
-        "kvcache": kvcache_config,
+        "kvcache": configs,
         "plain_vllm": plain,
-        "vllm_with_kvcache": plugin,
-        "throughput_ratio": round(plugin["total_tok_s"] / plain["total_tok_s"], 2),
+        "vllm_with_kvcache": {policy: best[policy] for policy in configs},
+        # Total tokens/s of each policy's engine over plain vLLM's.
+        "throughput_ratio": {policy: round(best[policy]["total_tok_s"] / plain["total_tok_s"], 2) for policy in configs},
+        # Each policy's decode step (all requests decoding) over the first policy's, same run.
+        "decode_step_ratio_to_" + first: {
+            policy: round(best[policy]["decode_step_ms_all_requests"] / best[first]["decode_step_ms_all_requests"], 2)
+            if best[policy]["decode_step_ms_all_requests"] and best[first]["decode_step_ms_all_requests"] else None
+            for policy in configs},
         "wall_s_of_every_run": {name: [x["wall_s"] for x in results] for name, results in runs.items()},
         "load_average_1min": [round(x, 2) for x in load],
     }

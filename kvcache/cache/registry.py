@@ -217,7 +217,7 @@ def make_cache(
                 spec = dataclasses.replace(spec, device=device)
             heads = None if head_budgets is None else head_budgets[i]
             try:
-                layers.append(_layer(cls, spec, options, heads))
+                layers.append(layer_cache(cls, spec, options, heads))
             except ValueError as e:
                 raise ValueError(f"{e}{where(i, budget)}") from None
         return layers
@@ -253,7 +253,8 @@ def _check_reserve(cls: type[LayerCache], reserve: object, smallest: int) -> Non
         )
 
 
-def _layer(cls: type[LayerCache], spec: CacheSpec, given: dict[str, object], heads: list[int] | None) -> LayerCache:
+def layer_cache(cls: type[LayerCache], spec: CacheSpec, given: dict[str, object],
+                heads: list[int] | None = None) -> LayerCache:
     """One layer cache. Options the user left out take their defaults unless those do not fit
     this layer's budget; then they take the policy's values for that budget."""
     options_cls = cls.Options

@@ -1,4 +1,4 @@
-"""The worker side: vLLM's CPU attention backend, unchanged but for two things.
+"""The worker side: vLLM's CPU attention backend, unchanged but for three things.
 
 * ``customize_spec`` attaches the checked kvcache configuration to each layer's KV cache spec
   (so the scheduler uses ``KVCacheBlockManager`` for it) and refuses what the plugin does not
@@ -8,7 +8,9 @@
   block ids stay in the worker's table and may already hold another request's tokens: with
   their columns dropped the kernel never reads them. Queries keep their true positions
   (``num_computed_tokens`` is the count of tokens seen, and RoPE was applied with it); within
-  the shortened sequence the step's own tokens are still last, so causality is unchanged.
+  the shortened sequence the step's own tokens are still last, so causality is unchanged;
+* after the kernel, each layer moves what a scoring policy keeps into the blocks that stay
+  (scoring.py).
 """
 
 from __future__ import annotations
@@ -29,7 +31,30 @@ from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec
 from .config import ConfigError, PluginConfig, parse
 from .state import BATCH, ENGINE
 from .rule import request_rule
+from .scoring import Work, after_step
 from .spec import KVCacheAttentionSpec
+
+
+@dataclasses.dataclass
+class KVCacheAttentionMetadata(CPUAttentionMetadata):
+    """The stock metadata, plus the steps of requests under a scoring policy."""
+
+    scoring: list[Work] = dataclasses.field(default_factory=list)
+
+
+class KVCacheCPUImpl(CPUAttentionBackendImpl):
+    """vLLM's CPU attention, then, in each layer, what scoring policies keep (scoring.py)."""
+
+    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                attn_metadata: CPUAttentionMetadata | None, output: torch.Tensor,
+                output_scale: torch.Tensor | None = None,
+                output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+        output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                                 output_block_scale)
+        works = getattr(attn_metadata, "scoring", None)
+        if works:
+            after_step(layer.layer_name, layer.isa, query.view(-1, self.num_heads, self.head_size), kv_cache, works)
+        return output
 
 
 def configured(vllm_config) -> PluginConfig | None:
@@ -60,7 +85,7 @@ class KVCacheCPUBackend(CPUAttentionBackend):
         if vllm_config is not None:
             ENGINE.config = configured(vllm_config)
             ENGINE.known = True
-        return CPUAttentionBackendImpl
+        return KVCacheCPUImpl
 
     @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
@@ -91,12 +116,18 @@ class KVCacheMetadataBuilder(CPUAttentionMetadataBuilder):
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> CPUAttentionMetadata:
-        if self.engine is not None:
-            common_attn_metadata = self.kept_only(common_attn_metadata)
-        return super().build(common_prefix_len, common_attn_metadata, fast_build)
+        if self.engine is None:
+            return super().build(common_prefix_len, common_attn_metadata, fast_build)
+        works: list[Work] = []
+        metadata = super().build(common_prefix_len, self.kept_only(common_attn_metadata, works), fast_build)
+        if not works:
+            return metadata
+        fields = {f.name: getattr(metadata, f.name) for f in dataclasses.fields(metadata)}
+        return KVCacheAttentionMetadata(**fields, scoring=works)
 
-    def kept_only(self, cm: CommonAttentionMetadata) -> CommonAttentionMetadata:
-        """``cm`` with each request's queries attending only what its rule keeps.
+    def kept_only(self, cm: CommonAttentionMetadata, works: list[Work]) -> CommonAttentionMetadata:
+        """``cm`` with each request's queries attending only what its rule keeps; ``works``
+        receives the step of each request under a scoring policy.
 
         A request's step becomes one or more sequences for the stock kernel (rule.segments),
         each with a block table of its kept columns only and a length shortened by the blocks
@@ -117,6 +148,9 @@ class KVCacheMetadataBuilder(CPUAttentionMetadataBuilder):
             if row is None and count and total:
                 raise RuntimeError(f"kvcache vLLM plugin: no request recorded at row {r} of the batch")
             rule = request_rule(self.engine, row.raw) if row is not None else None
+            if rule is not None and rule.scoring and count:
+                works.append(Work(row, rule, int(starts[r]), int(starts[r + 1]), seen, total,
+                                  table[r, : -(-total // N)].cpu()))
             if rule is None or total - 1 < row.prompt or total - 1 <= rule.cache_length:
                 pieces.append((r, count, total, None))  # every query reads every block
                 continue

@@ -14,15 +14,17 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache.base import CacheSpec
+from ..cache.base import CacheSpec, LayerCache
 from ..cache.blocks import check_block
-from ..cache.options import build
-from ..cache.registry import parse_name, policy_class
-from ..cache.ring import RingCache
+from ..cache.registry import layer_cache, parse_name, policy_class
 
 # Policies whose kept blocks depend on positions alone, so that vLLM's scheduler (which frees
 # blocks) and its attention metadata (which skips them) decide alike from token counts.
-SUPPORTED = ("window", "sink")
+POSITIONAL = ("window", "sink")
+# Policies that score tokens on the worker: blocks are freed as window frees them, and each
+# layer moves the blocks its policy keeps into the ones window keeps (scoring.py).
+SCORING = ("snapkv", "tova", "knorm", "keydiff", "h2o")
+SUPPORTED = POSITIONAL + SCORING
 # make_cache arguments that are not the plugin's to take: vLLM decides batching and layouts.
 NOT_OPTIONS = ("batch_size", "prompt_length", "allocation", "head_budgets", "reserve")
 
@@ -41,13 +43,19 @@ class PluginConfig:
     options: tuple[tuple[str, object], ...]
     block: int
 
-    def layer(self) -> RingCache:
-        """kvcache's layer cache of this policy (one row, one head): its ``priority`` and
-        ``blocks.keep_whole_blocks`` are the rule both sides of vLLM apply (rule.py)."""
-        cls = policy_class(self.policy)
+    @property
+    def scoring(self) -> bool:
+        """Whether the policy scores tokens on the worker (``SCORING``)."""
+        return self.policy in SCORING
+
+    def layer(self) -> LayerCache:
+        """kvcache's layer cache of this policy (one row, one head), with options left out set as
+        ``make_cache`` sets them for this budget: its ``priority``, ``observe`` and
+        ``blocks.keep_whole_blocks`` are the rule the plugin applies (rule.py, scoring.py).
+        Its slot buffers go unused."""
         spec = CacheSpec(batch_size=1, num_kv_heads=1, head_dim=2, cache_length=self.cache_length,
                          dtype=torch.float32, device=torch.device("cpu"), block=self.block)
-        return cls(spec, build(self.policy, cls.Options, dict(self.options)))
+        return layer_cache(policy_class(self.policy), spec, dict(self.options))
 
 
 def parse(raw: object, block: int) -> PluginConfig:

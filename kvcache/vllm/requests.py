@@ -20,6 +20,10 @@ from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 from .config import SUPPORTED, ConfigError, PluginConfig, decoded, for_request
 from .state import BATCH, ENGINE, Row
 
+# The budget a request's options are checked against where the engine's is unknown: room for any
+# option a real budget would allow (the policy's buffers are built, so not unbounded).
+UNKNOWN_BUDGET = 1 << 20
+
 
 def options(params: SamplingParams | None) -> object:
     """A request's ``extra_args["kvcache"]``, or None."""
@@ -49,13 +53,13 @@ class KVCacheRequests(LogitsProcessor):
             errors = []
             for policy in SUPPORTED:
                 try:
-                    for_request(PluginConfig(policy, 1 << 30, (), 1), raw)
+                    for_request(PluginConfig(policy, UNKNOWN_BUDGET, (), 1), raw)
                     return
                 except ConfigError as e:
                     errors.append(f"as {policy}: {str(e).split(': ', 1)[1]}")
             raise ConfigError("kvcache vLLM plugin, SamplingParams.extra_args['kvcache']: " + "; ".join(errors))
         else:
-            for_request(PluginConfig("window", 1 << 30, (), 1), raw)
+            for_request(PluginConfig("window", UNKNOWN_BUDGET, (), 1), raw)
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
         self.rows: dict[int, Row] = {}

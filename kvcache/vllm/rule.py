@@ -2,7 +2,8 @@
 
 kvcache's block rule (cache/blocks.py) ranks candidates by the policy's ``priority``; for window
 and sink that priority depends on positions only, so the blocks a request keeps once it has seen
-``n`` tokens are a function of ``n``. vLLM's scheduler (which frees blocks, manager.py) and its
+``n`` tokens are a function of ``n``. A scoring policy's requests keep window's columns, into
+which each layer moves the blocks the policy keeps (scoring.py). vLLM's scheduler (which frees blocks, manager.py) and its
 attention metadata (which skips them, backend.py) both call ``kept_blocks`` and so agree.
 
 The semantics are kvcache's with ``block=N``: the prompt is attended whole (however vLLM chunks
@@ -23,10 +24,16 @@ from .config import ConfigError, PluginConfig, for_request, request_key
 
 
 class BlockRule:
-    """kvcache's block rule for one policy configuration, in block indices of a request."""
+    """kvcache's block rule for one policy configuration, in block indices of a request.
+
+    ``policy`` is the policy's kvcache layer cache; ``layer`` the one whose priority decides which
+    columns (a request's i-th blocks) stay: the policy itself for window and sink, window's for a
+    scoring policy, whose worker moves the blocks it keeps into those columns (scoring.py)."""
 
     def __init__(self, config: PluginConfig) -> None:
-        self.layer = config.layer()
+        self.policy = config.layer()
+        self.scoring = config.scoring
+        self.layer = PluginConfig("window", config.cache_length, (), config.block).layer() if self.scoring else self.policy
         self.block = config.block
         self.cache_length = config.cache_length
 

@@ -25,10 +25,13 @@ class EngineConfig:
 @dataclasses.dataclass(frozen=True)
 class Row:
     """The request at one row of the worker's batch: its ``extra_args["kvcache"]`` (None: the
-    engine's configuration) and its prompt length (tokens attended whole)."""
+    engine's configuration) and its prompt length (tokens attended whole). A request admitted
+    again after a preemption gets a new row."""
 
     raw: object
     prompt: int
+    # Per layer name, what a scoring policy keeps track of for this request (scoring.LayerState).
+    scores: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclasses.dataclass

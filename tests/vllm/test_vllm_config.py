@@ -27,7 +27,7 @@ def test_a_good_configuration_is_kept_as_given():
     ({"cache_length": 64}, "'policy' .* is required"),
     ({"policy": "nope", "cache_length": 64}, "unknown policy 'nope'; available: .*sink"),
     ({"policy": "sink:int8", "cache_length": 64}, "'sink:int8': vLLM keeps keys and values in its own format; name the policy alone"),
-    ({"policy": "h2o", "cache_length": 64}, "policy 'h2o' is not supported in vLLM yet \\(supported: window, sink\\)"),
+    ({"policy": "lagkv", "cache_length": 64}, "policy 'lagkv' is not supported in vLLM yet \\(supported: window, sink, snapkv, tova, knorm, keydiff, h2o\\)"),
     ({"policy": "window"}, "'cache_length' .* is required"),
     ({"policy": "window", "cache_length": 0.5}, "'cache_length' .* got 0.5"),
     ({"policy": "window", "cache_length": True}, "'cache_length' .* got True"),
@@ -43,6 +43,36 @@ def test_a_good_configuration_is_kept_as_given():
 def test_a_bad_configuration_says_what_is_wrong(raw, message):
     with pytest.raises(ConfigError, match=r"kvcache vLLM plugin, additional_config\['kvcache'\]: .*" + message):
         parse(raw, BLOCK)
+
+
+@pytest.mark.parametrize("raw", [
+    {"policy": "snapkv", "cache_length": 96, "window": 16},
+    {"policy": "h2o", "cache_length": 100, "recent": 32},
+    {"policy": "knorm", "cache_length": 96},
+    {"policy": "tova", "cache_length": 70},
+])
+def test_a_scoring_policy_keeps_as_many_blocks_as_the_rule(llama, raw):
+    """Scoring requests are freed as window frees them, and each layer moves the blocks its
+    policy keeps into window's columns: that needs kvcache's cache under the policy to hold, in
+    every head and after every call, as many blocks as the rule keeps, all full but the newest."""
+    config = parse(raw, BLOCK)
+    rule = BlockRule(config)
+    cache = kvcache.make_cache(llama, config.policy, cache_length=config.cache_length, block=BLOCK,
+                               **dict(config.options))
+    ids = torch.randint(3, 100, (1, 300), generator=torch.Generator().manual_seed(0)).to(llama.embed_tokens.weight.device)
+    prompt = 130
+    llama(ids[:, :prompt], cache)
+    for n in range(prompt, 300):
+        if n > prompt:
+            llama(ids[:, n - 1 : n], cache)
+        for layer in cache.layers:
+            for pos in layer.storage.pos[0, :, : layer.spec.cache_length]:
+                pos = pos[pos >= 0]
+                blocks = pos // BLOCK
+                assert len(set(blocks.tolist())) == len(rule.kept_blocks(n)), f"after {n} tokens"
+                newest = (n - 1) // BLOCK
+                assert int((blocks == newest).sum()) == n - newest * BLOCK
+                assert all(int((blocks == b).sum()) == BLOCK for b in set(blocks.tolist()) - {newest})
 
 
 @pytest.mark.parametrize("raw", [
@@ -106,7 +136,7 @@ def test_request_options_override_the_engine_configuration(raw, want):
     ({"cache_length": 32}, "sinks \\(32\\) must be smaller than cache_length \\(32\\)"),
     ({"policy": "window", "cache_length": 16}, "block=32 does not fit the window policy's smallest budget"),
     ({"policy": "window", "sinks": 4}, "policy 'window' has no option 'sinks'"),
-    ({"policy": "snapkv"}, "policy 'snapkv' is not supported in vLLM yet"),
+    ({"policy": "lagkv"}, "policy 'lagkv' is not supported in vLLM yet"),
     ({"block": 64}, "block is vLLM's block size here \\(32\\)"),
 ])
 def test_bad_request_options_say_what_is_wrong(raw, message):

@@ -129,7 +129,8 @@ REQUEST_OPTIONS = [
     (None, ENGINE_CONFIG),
     # As text, as the OpenAI-compatible server's vllm_xargs (flat values only) carries it.
     ('{"cache_length": 64}', {"policy": "sink", "cache_length": 64, "sinks": 32}),
-    ({"policy": "window", "cache_length": 64}, {"policy": "window", "cache_length": 64}),
+    # A scoring policy beside positional ones in one batch.
+    ({"policy": "h2o", "cache_length": 96, "recent": 32}, {"policy": "h2o", "cache_length": 96, "recent": 32}),
     ({"sinks": 64, "cache_length": 160}, {"policy": "sink", "cache_length": 160, "sinks": 64}),
 ]
 
@@ -146,7 +147,7 @@ def test_per_request_options_equal_kvcache_with_those_options(tmp_path):
         for options, message in [
             ({"sink": 4}, "policy 'sink' has no option 'sink'; valid options: sinks, positions"),
             ({"policy": "window", "cache_length": 16}, "block=32 does not fit the window policy's smallest budget"),
-            ({"policy": "h2o"}, "policy 'h2o' is not supported in vLLM yet"),
+            ({"policy": "lagkv"}, "policy 'lagkv' is not supported in vLLM yet"),
             ("sink", "expected an object such as"),
         ]:
             params = greedy(4)
@@ -187,6 +188,48 @@ def test_a_preempted_request_resumes_with_the_same_tokens(tmp_path):
     assert want != kvcache_tokens(path, None, prompt_ids, 100)
 
 
+def test_a_preempted_request_under_a_scoring_policy_resumes_within_its_budget(tmp_path):
+    """The preemption above under h2o: a preempted request resumes and finishes, every request
+    stays within its budget, and those never preempted generate kvcache's tokens. (A resumed
+    request's recomputed tokens read the blocks window would have kept, so its later tokens
+    may differ from the uninterrupted run's: docs/vllm.md.)"""
+    config = POLICIES["h2o"]
+    path = build("llama", tmp_path / "llama")
+    g = torch.Generator().manual_seed(2)
+    prompt_ids = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (100, 90, 40, 44, 48, 52)]
+    arrivals = [(0, 1), (0, 1), (60, 0), (60, 0), (60, 0), (60, 0)]
+    llm = engine(path, config, max_model_len=256, kv_cache_memory_bytes=14 * BLOCK_BYTES, max_num_seqs=6,
+                 scheduling_policy="priority")
+    try:
+        got, preempted = run_stepwise(llm, prompt_ids, new_tokens=100, arrivals=arrivals)
+    finally:
+        close(llm)
+    assert preempted > 0
+    assert all(len(tokens) == 100 for tokens in got)
+    want = kvcache_tokens(path, config, prompt_ids, 100)
+    assert got[2:] == want[2:]
+
+
+def test_block_contents_read_back_as_the_kernel_wrote_them():
+    """The scoring worker reads keys and values in the CPU kernel's own block layout."""
+    from vllm import _custom_ops as ops
+
+    from kvcache.vllm.layout import read
+
+    for dtype in (torch.float32, torch.bfloat16):
+        blocks, heads, head_dim = 4, 2, 32
+        cache = torch.zeros(blocks, heads, BLOCK, 2 * head_dim, dtype=dtype)
+        key_cache, value_cache = cache.view(blocks, heads, 2 * BLOCK, head_dim).chunk(2, dim=2)
+        g = torch.Generator().manual_seed(0)
+        k, v = (torch.randn(2 * BLOCK, heads, head_dim, generator=g).to(dtype) for _ in range(2))
+        ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, torch.arange(2 * BLOCK) + BLOCK, "vec",
+                                       k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
+        keys, values = read(cache, torch.tensor([2, 1]), "vec")  # blocks 2 then 1: tokens 32-63 then 0-31
+        order = torch.cat((torch.arange(BLOCK, 2 * BLOCK), torch.arange(BLOCK)))
+        assert torch.equal(keys, k[order].transpose(0, 1))
+        assert torch.equal(values, v[order].transpose(0, 1))
+
+
 def test_without_configuration_the_engine_is_plain_vllm(tmp_path):
     path = build("llama", tmp_path / "llama")
     prompt_ids = prompts(seed=1)[:2]
@@ -225,8 +268,9 @@ def test_request_options_checked_where_the_engine_is_not_known(monkeypatch):
     for bad in ({"sink": 4}, '{"sink": 4}'):  # the object or its JSON text
         with pytest.raises(ConfigError, match="as window: policy 'window' has no option 'sink'.*as sink: policy 'sink' has no option 'sink'"):
             check(bad)
-    with pytest.raises(ConfigError, match="policy 'snapkv' is not supported in vLLM yet"):
-        check({"policy": "snapkv"})
+    with pytest.raises(ConfigError, match="policy 'lagkv' is not supported in vLLM yet"):
+        check({"policy": "lagkv"})
+    check({"policy": "snapkv", "window": 16})
     monkeypatch.setattr(ENGINE, "known", True)
     with pytest.raises(ValueError, match="the engine has no kvcache configuration"):
         check({"cache_length": 64})

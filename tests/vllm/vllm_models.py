@@ -24,6 +24,12 @@ NEW_TOKENS = 40
 POLICIES = {
     "window": {"policy": "window", "cache_length": 64},
     "sink": {"policy": "sink", "cache_length": 96, "sinks": 32},
+    "snapkv": {"policy": "snapkv", "cache_length": 96, "window": 16},
+    "snapkv-tova": {"policy": "snapkv", "cache_length": 96, "window": 16, "fallback": "tova"},
+    "tova": {"policy": "tova", "cache_length": 96},
+    "knorm": {"policy": "knorm", "cache_length": 96},
+    "keydiff": {"policy": "keydiff", "cache_length": 96},
+    "h2o": {"policy": "h2o", "cache_length": 96, "recent": 32},
 }
 
 
