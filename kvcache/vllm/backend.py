@@ -35,11 +35,25 @@ from .scoring import Work, after_step
 from .spec import KVCacheAttentionSpec
 
 
+@dataclasses.dataclass(frozen=True)
+class Phase:
+    """Part of a step run on its own: query tokens [start, end), their metadata, and the
+    scoring work of the sequences among them."""
+
+    start: int
+    end: int
+    metadata: CPUAttentionMetadata
+    works: list[Work]
+
+
 @dataclasses.dataclass
 class KVCacheAttentionMetadata(CPUAttentionMetadata):
-    """The stock metadata, plus the steps of requests under a scoring policy."""
+    """The stock metadata, plus the sequences of requests under a scoring policy (``scoring``)
+    and, where one of them evicts between two of its sequences (a recompute after a
+    preemption), the parts the step runs in (``phases``)."""
 
     scoring: list[Work] = dataclasses.field(default_factory=list)
+    phases: list[Phase] = dataclasses.field(default_factory=list)
 
 
 class KVCacheCPUImpl(CPUAttentionBackendImpl):
@@ -49,11 +63,15 @@ class KVCacheCPUImpl(CPUAttentionBackendImpl):
                 attn_metadata: CPUAttentionMetadata | None, output: torch.Tensor,
                 output_scale: torch.Tensor | None = None,
                 output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
-        output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
-                                 output_block_scale)
-        works = getattr(attn_metadata, "scoring", None)
-        if works:
-            after_step(layer.layer_name, layer.isa, query.view(-1, self.num_heads, self.head_size), kv_cache, works)
+        if not isinstance(attn_metadata, KVCacheAttentionMetadata):
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                                   output_block_scale)
+        queries = query.view(-1, self.num_heads, self.head_size)
+        for phase in attn_metadata.phases or [Phase(0, len(query), attn_metadata, attn_metadata.scoring)]:
+            a, b = phase.start, phase.end
+            super().forward(layer, query[a:b], key[a:b], value[a:b], kv_cache, phase.metadata, output[a:b],
+                            output_scale, output_block_scale)
+            after_step(layer.layer_name, layer.isa, queries, kv_cache, phase.works)
         return output
 
 
@@ -103,6 +121,18 @@ class KVCacheCPUBackend(CPUAttentionBackend):
         return KVCacheMetadataBuilder
 
 
+def split(work: Work) -> list[Work]:
+    """``work`` as scored: the prompt's tokens, then the generated ones (a recompute chunk that
+    reads every block may hold both; the prompt is scored as one call, what follows token by
+    token)."""
+    prompt = work.row.prompt
+    if not work.seen < prompt < work.total:
+        return [work]
+    middle = work.q_start + prompt - work.seen
+    return [dataclasses.replace(work, q_end=middle, total=prompt),
+            dataclasses.replace(work, q_start=middle, seen=prompt)]
+
+
 class KVCacheMetadataBuilder(CPUAttentionMetadataBuilder):
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names, vllm_config, device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -119,20 +149,50 @@ class KVCacheMetadataBuilder(CPUAttentionMetadataBuilder):
         if self.engine is None:
             return super().build(common_prefix_len, common_attn_metadata, fast_build)
         works: list[Work] = []
-        metadata = super().build(common_prefix_len, self.kept_only(common_attn_metadata, works), fast_build)
+        cuts: list[int] = []
+        kept = self.kept_only(common_attn_metadata, works, cuts)
+        metadata = super().build(common_prefix_len, kept, fast_build)
         if not works:
             return metadata
         fields = {f.name: getattr(metadata, f.name) for f in dataclasses.fields(metadata)}
-        return KVCacheAttentionMetadata(**fields, scoring=works)
+        phases = []
+        if cuts:
+            # The kernel must read a scoring request's blocks as they stood at each of its
+            # sequences: the step runs in parts, each one's scoring (and moves) before the next.
+            bounds = [0, *(c + 1 for c in cuts), kept.num_reqs]
+            starts = kept.query_start_loc_cpu
+            for i, j in zip(bounds, bounds[1:]):
+                a, b = int(starts[i]), int(starts[j])
+                phases.append(Phase(a, b, super().build(0, self.part(kept, i, j), fast_build),
+                                    [w for w in works if a <= w.q_start < b]))
+        return KVCacheAttentionMetadata(**fields, scoring=works, phases=phases)
 
-    def kept_only(self, cm: CommonAttentionMetadata, works: list[Work]) -> CommonAttentionMetadata:
-        """``cm`` with each request's queries attending only what its rule keeps; ``works``
-        receives the step of each request under a scoring policy.
+    @staticmethod
+    def part(cm: CommonAttentionMetadata, i: int, j: int) -> CommonAttentionMetadata:
+        """``cm`` restricted to its sequences [i, j) (and their query tokens)."""
+        starts = cm.query_start_loc_cpu
+        a, b = int(starts[i]), int(starts[j])
+        sub = starts[i : j + 1] - a
+        replaced = dict(
+            num_reqs=j - i, num_actual_tokens=b - a, query_start_loc=sub.to(cm.query_start_loc.device),
+            query_start_loc_cpu=sub, seq_lens=cm.seq_lens[i:j], block_table_tensor=cm.block_table_tensor[i:j],
+            slot_mapping=cm.slot_mapping[a:b], max_query_len=int((sub[1:] - sub[:-1]).max()),
+            max_seq_len=int(cm.seq_lens[i:j].max()))
+        for name in ("is_prefilling", "seq_lens_cpu_upper_bound"):
+            value = getattr(cm, name)
+            if value is not None:
+                replaced[name] = value[i:j]
+        return dataclasses.replace(cm, **replaced)
+
+    def kept_only(self, cm: CommonAttentionMetadata, works: list[Work], cuts: list[int]) -> CommonAttentionMetadata:
+        """``cm`` with each request's queries attending only what its rule keeps.
 
         A request's step becomes one or more sequences for the stock kernel (rule.segments),
         each with a block table of its kept columns only and a length shortened by the blocks
         dropped; a prompt chunk or a decode step is one. The query tokens stay in order, so
-        every other per-token input of the step is unchanged."""
+        every other per-token input of the step is unchanged. ``works`` receives each sequence
+        of a request under a scoring policy, and ``cuts`` the index of every such sequence
+        that evicts before the same request's next one."""
         N = self.block_size
         rows = BATCH.rows
         seq_lens = cm.seq_lens.cpu()
@@ -148,14 +208,21 @@ class KVCacheMetadataBuilder(CPUAttentionMetadataBuilder):
             if row is None and count and total:
                 raise RuntimeError(f"kvcache vLLM plugin: no request recorded at row {r} of the batch")
             rule = request_rule(self.engine, row.raw) if row is not None else None
-            if rule is not None and rule.scoring and count:
-                works.append(Work(row, rule, int(starts[r]), int(starts[r + 1]), seen, total,
-                                  table[r, : -(-total // N)].cpu()))
+            scoring = rule is not None and rule.scoring and count > 0
+            ids = table[r, : -(-total // N)].cpu() if scoring else None
             if rule is None or total - 1 < row.prompt or total - 1 <= rule.cache_length:
+                if scoring:
+                    works += split(Work(row, rule, int(starts[r]), int(starts[r + 1]), seen, total, ids))
                 pieces.append((r, count, total, None))  # every query reads every block
                 continue
             changed = True
-            for start, end, columns in rule.segments(seen, total, row.prompt):
+            segments = rule.segments(seen, total, row.prompt)
+            for k, (start, end, columns) in enumerate(segments):
+                if scoring:
+                    first = int(starts[r]) + start - seen
+                    works += split(Work(row, rule, first, first + end - start, start, end, ids))
+                    if k + 1 < len(segments):
+                        cuts.append(len(pieces))
                 # Every column is full but the last, which holds the segment's newest tokens.
                 pieces.append((r, end - start, (len(columns) - 1) * N + (end - (end - 1) // N * N), columns))
         if not changed:

@@ -59,9 +59,20 @@ def read(kv_cache: torch.Tensor, blocks: torch.Tensor, isa: str) -> tuple[torch.
     dtype, ``kv_cache`` being one layer's ``(num_blocks, Hkv, block, 2 * D)``."""
     _, H, N, D2 = kv_cache.shape
     D = D2 // 2
-    key_index, value_index = slab_order(isa, kv_cache.dtype, N, D)
-    slabs = kv_cache[blocks].reshape(len(blocks), H, N * D2)  # (M, Hkv, 2 N D)
-    keys = slabs[:, :, key_index.reshape(-1)].view(len(blocks), H, N, D)
-    values = slabs[:, :, value_index.reshape(-1)].view(len(blocks), H, N, D)
-    return (keys.permute(1, 0, 2, 3).reshape(H, len(blocks) * N, D),
-            values.permute(1, 0, 2, 3).reshape(H, len(blocks) * N, D))
+    M = len(blocks)
+    slabs = kv_cache[blocks].reshape(M, H, 2, N * D)  # (M, Hkv, keys | values, N D)
+    keys, values = (_tokens_first(slabs[:, :, i], index - i * N * D, N, D)
+                    for i, index in enumerate(slab_order(isa, kv_cache.dtype, N, D)))
+    return (keys.permute(1, 0, 2, 3).reshape(H, M * N, D), values.permute(1, 0, 2, 3).reshape(H, M * N, D))
+
+
+def _tokens_first(half: torch.Tensor, index: torch.Tensor, N: int, D: int) -> torch.Tensor:
+    """(M, Hkv, N, D) from one half of each slab, ``half`` (M, Hkv, N D), laid out as ``index``
+    (N, D) says: a view when the half is in token order or transposed (the ``vec`` kernel's
+    keys), a gather otherwise."""
+    flat = torch.arange(N * D)
+    if torch.equal(index.reshape(-1), flat):
+        return half.view(*half.shape[:2], N, D)
+    if torch.equal(index, flat.view(D, N).t()):
+        return half.view(*half.shape[:2], D, N).transpose(-1, -2)
+    return half[..., index.reshape(-1)].view(*half.shape[:2], N, D)

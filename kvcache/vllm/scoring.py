@@ -79,9 +79,65 @@ def step_of(start: int, end: int) -> Step:
 def after_step(layer_name: str, isa: str, query: torch.Tensor, kv_cache: torch.Tensor, works: list[Work]) -> None:
     """Score and move what each scoring request's policy keeps in this layer, after the kernel
     attended the step. query: (tokens, Hq, D); kv_cache: (num_blocks, Hkv, N, 2 D)."""
+    observed: dict[int, list[Work]] = {}  # decode steps that only observe (h2o's), by rule
     for work in works:
+        if _only_observes(work):
+            observed.setdefault(id(work.rule), []).append(work)
+            continue
         state = work.row.scores.setdefault(layer_name, LayerState())
         _one(state, work, isa, query[work.q_start: work.q_end], kv_cache)
+    for group in observed.values():
+        _observe_decode(layer_name, group, isa, query, kv_cache)
+
+
+def _only_observes(work: Work) -> bool:
+    """Whether ``work`` is a decode step that evicts nothing, of a policy that observes every
+    step's attention (h2o): all its layer does is add that attention to its statistics, which
+    is done for all such requests at once."""
+    rule, policy = work.rule, work.rule.policy
+    if not (policy.observe_every_step and policy.needs_attention) or work.total - work.seen != 1:
+        return False
+    return work.seen >= work.row.prompt and rule.kept_blocks(work.total) == rule.read_by(work.total - 1, work.row.prompt)
+
+
+def _observe_decode(layer_name: str, works: list[Work], isa: str, query: torch.Tensor, kv_cache: torch.Tensor) -> None:
+    """The observing decode steps of requests under one rule, as one batch of rows: each row's
+    query over the blocks it read (padded to the longest), with kvcache's decode attention."""
+    rule = works[0].rule
+    policy, N = rule.policy, rule.block
+    Hkv = kv_cache.shape[1]
+    Hp = Hkv if policy.per_head else 1
+    columns = [list(rule.read_by(w.total - 1, w.row.prompt)) for w in works]
+    K = max(len(c) for c in columns)
+    states = [w.row.scores.setdefault(layer_name, LayerState()) for w in works]
+    ids = torch.stack([w.table[c + [c[-1]] * (K - len(c))] for w, c in zip(works, columns)])  # (R, K)
+    keys, values = read(kv_cache, ids.reshape(-1), isa)  # (Hkv, R K N, D)
+    R = len(works)
+    keys = keys.view(Hkv, R, K * N, -1).transpose(0, 1).float()
+    values = values.view(Hkv, R, K * N, -1).transpose(0, 1).float()
+    positions = torch.full((R, Hp, K * N), -1, dtype=torch.long)
+    stats = torch.zeros(len(policy.stat_names), R, Hp, K * N)
+    bases = []
+    for r, (w, c, state) in enumerate(zip(works, columns, states)):
+        base = _base(state, c, Hp, N)
+        bases.append(base)
+        pos = base[:, :, None] + torch.arange(N)
+        positions[r, :, : len(c) * N] = torch.where(pos < w.total, pos, -1).reshape(Hp, -1)
+        if policy.stat_names:
+            stats[:, r, :, : len(c) * N] = torch.stack(_stats(state, policy, c, Hp, N)).reshape(-1, Hp, len(c) * N)
+    q = torch.stack([query[w.q_start] for w in works]).float()[:, :, None]  # (R, Hq, 1, D)
+    visible = positions >= 0
+    _, mass = attention.decode(q, keys, values, visible, want_mass=True)
+    step = Step(positions=torch.tensor([[w.seen] for w in works]), valid=torch.ones(R, 1, dtype=torch.bool),
+                append_slot=torch.tensor([[w.seen] for w in works]), last_index=torch.zeros(R, dtype=torch.long),
+                newest=torch.tensor([w.seen for w in works]), start=torch.tensor([w.seen for w in works]),
+                n_tokens=torch.ones(R, dtype=torch.long), fresh=False, uniform=False,
+                span_end=max(w.total for w in works), min_start=min(w.seen for w in works), start0=works[0].seen,
+                decode=True)
+    named = dict(zip(policy.stat_names, stats))
+    policy.observe(Candidates(keys, values, positions, named, q, step, mass, visible.float()))
+    for r, (c, state, base) in enumerate(zip(columns, states, bases)):
+        _remember(state, c, base, {n: s[r : r + 1, :, : len(c) * N] for n, s in named.items()}, policy, Hp, N)
 
 
 def _one(state: LayerState, work: Work, isa: str, query: torch.Tensor, kv_cache: torch.Tensor) -> None:
@@ -104,8 +160,12 @@ def _one(state: LayerState, work: Work, isa: str, query: torch.Tensor, kv_cache:
     observes = policy._observes and (policy.observe_every_step or evicts or not policy.needs_attention)
     if not (evicts or observes):
         return  # most steps of a policy that scores only when it evicts
-    step = step_of(0, total) if seen < P else step_of(seen, total)
-    q = _queries(query)
+    q = _queries(query)  # (1, Hq, T, D)
+    # The prompt scores as one call. After it, tokens were generated one per step, so a step of
+    # several (a recompute after a preemption, between two evictions) is scored as its tokens
+    # one by one: observed every step, each query's attention adds up; scored only when evicting,
+    # the newest query's alone.
+    step = step_of(0, total) if seen < P else step_of(total - 1, total)
     base = _base(state, columns, Hp, N)  # (Hp, K)
     positions = base[:, :, None] + torch.arange(N)  # (Hp, K, N)
     positions = torch.where(positions < total, positions, -1).reshape(1, Hp, -1)
@@ -118,8 +178,11 @@ def _one(state: LayerState, work: Work, isa: str, query: torch.Tensor, kv_cache:
             mass = _natural(state.mass, positions, Hkv)
             seen_by = _natural(state.seen, positions, Hp)
         else:
-            weight = policy.query_weight(step)
-            _, mass, seen_by = attention.masked_with_weights(q, keys, values, step.positions, positions, weight)
+            first = seen if policy.observe_every_step else total - 1
+            weight = torch.cat([policy.query_weight(step_of(t, t + 1)) for t in range(first, total)], 1)
+            _, mass, seen_by = attention.masked_with_weights(
+                q[:, :, first - seen:], keys, values, torch.arange(first, total)[None], positions, weight)
+    q = q[:, :, -step.num_tokens:]
     c = Candidates(keys, values, positions, stats, q, step, mass, seen_by)
     if observes and (mass is not None or not policy.needs_attention):
         policy.observe(c)
@@ -191,27 +254,31 @@ def _natural(acc: torch.Tensor | None, positions: torch.Tensor, H: int) -> torch
     return out[None]
 
 
+def _overlap(state: LayerState, columns: list[int], width: int) -> tuple[slice, slice]:
+    """Where consecutive ``columns`` meet the ``width`` columns the state holds from ``first``:
+    (slice of ``columns``, slice of the state's)."""
+    lo, hi = max(columns[0], state.first), min(columns[-1] + 1, state.first + width)
+    if lo >= hi:
+        return slice(0, 0), slice(0, 0)
+    return slice(lo - columns[0], hi - columns[0]), slice(lo - state.first, hi - state.first)
+
+
 def _base(state: LayerState, columns: list[int], Hp: int, N: int) -> torch.Tensor:
-    """(Hp, K) the first position held by each of ``columns``, per head."""
-    out = torch.tensor(columns)[None].expand(Hp, -1) * N
-    if state.base is None:
-        return out.clone()
-    out = out.clone()
-    W = state.base.shape[1]
-    for j, col in enumerate(columns):
-        if state.first <= col < state.first + W:
-            out[:, j] = state.base[:, col - state.first]
+    """(Hp, K) the first position held by each of ``columns`` (consecutive), per head."""
+    out = (torch.arange(columns[0], columns[-1] + 1) * N).expand(Hp, -1).clone()
+    if state.base is not None:
+        mine, theirs = _overlap(state, columns, state.base.shape[1])
+        out[:, mine] = state.base[:, theirs]
     return out
 
 
 def _stats(state: LayerState, policy, columns: list[int], Hp: int, N: int) -> list[torch.Tensor]:
-    """The policy's statistics over ``columns``: each (Hp, K, N), zero for a new column."""
+    """The policy's statistics over ``columns`` (consecutive): each (Hp, K, N), zero for a new
+    column."""
     out = torch.zeros(len(policy.stat_names), Hp, len(columns), N)
     if state.stats is not None:
-        W = state.stats.shape[2]
-        for j, col in enumerate(columns):
-            if state.first <= col < state.first + W:
-                out[:, :, j] = state.stats[:, :, col - state.first]
+        mine, theirs = _overlap(state, columns, state.stats.shape[2])
+        out[:, :, mine] = state.stats[:, :, theirs]
     return list(out)
 
 

@@ -188,12 +188,14 @@ def test_a_preempted_request_resumes_with_the_same_tokens(tmp_path):
     assert want != kvcache_tokens(path, None, prompt_ids, 100)
 
 
-def test_a_preempted_request_under_a_scoring_policy_resumes_within_its_budget(tmp_path):
-    """The preemption above under h2o: a preempted request resumes and finishes, every request
-    stays within its budget, and those never preempted generate kvcache's tokens. (A resumed
-    request's recomputed tokens read the blocks window would have kept, so its later tokens
-    may differ from the uninterrupted run's: docs/vllm.md.)"""
-    config = POLICIES["h2o"]
+@pytest.mark.parametrize("policy", ["h2o", "snapkv-tova"])
+def test_a_preempted_request_under_a_scoring_policy_resumes_with_the_same_tokens(tmp_path, policy):
+    """The preemption above under scoring policies (h2o: attention summed over every step;
+    snapkv then tova: the newest query's attention when a block goes). A recompute chunk runs in
+    parts, each one's blocks moved before the next reads them, and its generated tokens are
+    scored one by one as they were first computed: every request's tokens are kvcache's,
+    uninterrupted."""
+    config = POLICIES[policy]
     path = build("llama", tmp_path / "llama")
     g = torch.Generator().manual_seed(2)
     prompt_ids = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (100, 90, 40, 44, 48, 52)]
@@ -205,9 +207,9 @@ def test_a_preempted_request_under_a_scoring_policy_resumes_within_its_budget(tm
     finally:
         close(llm)
     assert preempted > 0
-    assert all(len(tokens) == 100 for tokens in got)
     want = kvcache_tokens(path, config, prompt_ids, 100)
-    assert got[2:] == want[2:]
+    assert got == want
+    assert want != kvcache_tokens(path, None, prompt_ids, 100)
 
 
 def test_block_contents_read_back_as_the_kernel_wrote_them():
