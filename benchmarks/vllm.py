@@ -1,6 +1,8 @@
 """Long prompts in vLLM with the same KV memory: plain vLLM against vLLM with kvcache's plugin.
 
-A tiny random Llama (fp32; saved with ``save_pretrained`` to a temporary directory) serves
+A random Llama (fp32; hidden 256, 2 layers, 4 query and 2 K/V heads unless ``--hidden``,
+``--layers``, ``--heads``, ``--kv-heads`` say otherwise; saved with ``save_pretrained`` to a
+temporary directory) serves
 ``--requests`` requests of ``--prompt`` random tokens each, generating ``--new-tokens`` greedy
 tokens, in two engines built one after the other in this process, identical but for the plugin:
 the same KV cache memory (``--kv-tokens`` tokens of it, as bytes), block size, batching limits
@@ -58,12 +60,12 @@ from kvcache.vllm.config import SUPPORTED  # noqa: E402
 BLOCK = 32
 
 
-def build_model(path: Path, vocab: int) -> dict:
+def build_model(path: Path, vocab: int, hidden: int = 256, layers: int = 2, heads: int = 4, kv_heads: int = 2) -> dict:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384,
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=16384,
                       rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
     head_dim = cfg.hidden_size // cfg.num_attention_heads
@@ -147,6 +149,10 @@ def main() -> None:
     p.add_argument("--kv-tokens", type=int, default=12800, help="KV cache memory of each engine, in tokens")
     p.add_argument("--batched-tokens", type=int, default=2048, help="vLLM's max_num_batched_tokens (prefill chunk)")
     p.add_argument("--repeats", type=int, default=2, help="runs per engine, taking turns; the fastest is reported")
+    p.add_argument("--hidden", type=int, default=256, help="the random Llama's hidden size (MLP: twice that)")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4, help="query heads (head size: hidden / heads, at least 32 on CPU)")
+    p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--out", type=Path)
     args = p.parse_args()
 
@@ -165,7 +171,8 @@ def main() -> None:
         configs[policy] = config
     g = torch.Generator().manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
-        model = build_model(Path(tmp), vocab=512)
+        model = build_model(Path(tmp), vocab=512, hidden=args.hidden, layers=args.layers, heads=args.heads,
+                            kv_heads=args.kv_heads)
         prompts = [torch.randint(3, 512, (args.prompt,), generator=g).tolist() for _ in range(args.requests)]
         kv_bytes = args.kv_tokens * model["kv_bytes_per_token"]
         engines = {"plain_vllm": None, **configs}

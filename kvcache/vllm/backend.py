@@ -31,7 +31,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec
 from .config import ConfigError, PluginConfig, parse
 from .state import BATCH, ENGINE
 from .rule import request_rule
-from .scoring import Work, after_step
+from .scoring import Work, after_step, needed
 from .spec import KVCacheAttentionSpec
 
 
@@ -122,15 +122,16 @@ class KVCacheCPUBackend(CPUAttentionBackend):
 
 
 def split(work: Work) -> list[Work]:
-    """``work`` as scored: the prompt's tokens, then the generated ones (a recompute chunk that
-    reads every block may hold both; the prompt is scored as one call, what follows token by
-    token)."""
+    """``work`` as scored, without the parts that have nothing to do: the prompt's tokens, then
+    the generated ones (a recompute chunk that reads every block may hold both; the prompt is
+    scored as one call, what follows token by token)."""
     prompt = work.row.prompt
-    if not work.seen < prompt < work.total:
-        return [work]
-    middle = work.q_start + prompt - work.seen
-    return [dataclasses.replace(work, q_end=middle, total=prompt),
-            dataclasses.replace(work, q_start=middle, seen=prompt)]
+    parts = [work]
+    if work.seen < prompt < work.total:
+        middle = work.q_start + prompt - work.seen
+        parts = [dataclasses.replace(work, q_end=middle, total=prompt),
+                 dataclasses.replace(work, q_start=middle, seen=prompt)]
+    return [w for w in parts if needed(w.rule, w.seen, w.total, prompt)]
 
 
 class KVCacheMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -208,7 +209,9 @@ class KVCacheMetadataBuilder(CPUAttentionMetadataBuilder):
             if row is None and count and total:
                 raise RuntimeError(f"kvcache vLLM plugin: no request recorded at row {r} of the batch")
             rule = request_rule(self.engine, row.raw) if row is not None else None
-            scoring = rule is not None and rule.scoring and count > 0
+            # A one-token step with nothing to score (most decode steps) is left out at once.
+            scoring = rule is not None and rule.scoring and count > 0 and (
+                count > 1 or needed(rule, seen, total, row.prompt))
             ids = table[r, : -(-total // N)].cpu() if scoring else None
             if rule is None or total - 1 < row.prompt or total - 1 <= rule.cache_length:
                 if scoring:

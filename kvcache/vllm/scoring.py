@@ -76,6 +76,18 @@ def step_of(start: int, end: int) -> Step:
                 start0=start, decode=T == 1)
 
 
+def needed(rule: BlockRule, seen: int, total: int, prompt: int) -> bool:
+    """Whether a scoring request's step [seen, total) has anything to do on the worker: a prompt
+    chunk whose queries the policy listens to, the end of the prompt, and later steps that evict
+    or that the policy observes. Most decode steps of snapkv, tova, knorm and keydiff have not."""
+    policy = rule.policy
+    if seen < prompt:
+        return total >= prompt or (policy.needs_attention and (policy.observe_every_step or prompt > rule.cache_length))
+    if policy._observes and (policy.observe_every_step or not policy.needs_attention):
+        return True
+    return rule.kept_blocks(total) != rule.read_by(total - 1, prompt)
+
+
 def after_step(layer_name: str, isa: str, query: torch.Tensor, kv_cache: torch.Tensor, works: list[Work]) -> None:
     """Score and move what each scoring request's policy keeps in this layer, after the kernel
     attended the step. query: (tokens, Hq, D); kv_cache: (num_blocks, Hkv, N, 2 D)."""
@@ -85,7 +97,7 @@ def after_step(layer_name: str, isa: str, query: torch.Tensor, kv_cache: torch.T
             observed.setdefault(id(work.rule), []).append(work)
             continue
         state = work.row.scores.setdefault(layer_name, LayerState())
-        _one(state, work, isa, query[work.q_start: work.q_end], kv_cache)
+        _score(state, work, isa, query[work.q_start: work.q_end], kv_cache)
     for group in observed.values():
         _observe_decode(layer_name, group, isa, query, kv_cache)
 
@@ -140,7 +152,11 @@ def _observe_decode(layer_name: str, works: list[Work], isa: str, query: torch.T
         _remember(state, c, base, {n: s[r : r + 1, :, : len(c) * N] for n, s in named.items()}, policy, Hp, N)
 
 
-def _one(state: LayerState, work: Work, isa: str, query: torch.Tensor, kv_cache: torch.Tensor) -> None:
+def _score(state: LayerState, work: Work, isa: str, query: torch.Tensor, kv_cache: torch.Tensor) -> None:
+    """One request's step in one layer (its queries (T, Hq, D)): add a prompt chunk's attention;
+    at the end of the prompt, and at every later step that evicts or that the policy observes,
+    run the policy over the blocks the step read; where it evicts, move the blocks kept into
+    window's columns and keep their positions and statistics."""
     rule, policy = work.rule, work.rule.policy
     N, C, P = rule.block, rule.cache_length, work.row.prompt
     seen, total = work.seen, work.total
@@ -217,6 +233,8 @@ def _queries(query: torch.Tensor) -> torch.Tensor:
 
 def _add_prompt_mass(state: LayerState, policy, q: torch.Tensor, work: Work, isa: str, kv_cache: torch.Tensor,
                      Hp: int) -> None:
+    """Add to ``state.mass`` / ``state.seen`` the attention of the chunk's queries (q (1, Hq, T, D))
+    that the policy listens to when the prompt is one call, over the prompt's keys so far."""
     P, seen, total, N = work.row.prompt, work.seen, work.total, work.rule.block
     weight = policy.query_weight(step_of(0, P))[0]  # (P,) the prompt as one call
     chunk = torch.zeros(total - seen)
