@@ -28,9 +28,11 @@ Usage (in an environment with kvcache[vllm]):
                               [--kv-tokens 12800] [--out FILE]
 
 With several policies, each runs as an engine of its own, in turn with plain vLLM, and its
-median decode step (all requests decoding together) is compared with the first policy's: the
-cost of scoring on the worker (h2o observes every step; snapkv, knorm, keydiff and tova only at
-the end of the prompt and when a block is evicted).
+median decode step (steps in which every running request decoded and none was admitted, at the
+batch width most of them had) is compared with the first policy's: the cost of scoring on the
+worker (h2o observes every step; snapkv, knorm, keydiff and tova only at the end of the prompt
+and when a block is evicted).
+
 Prints one JSON object on stdout.
 """
 
@@ -88,21 +90,21 @@ def run(path: Path, args, kv_bytes: int, kvcache_config: dict | None, prompts: l
     manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
     running, steps, most_blocks, preempted = [], 0, 0, set()
-    decode_times: list[float] = []  # steps in which every running request was past its prompt
+    decode_times: dict[int, list[float]] = {}  # by batch width: steps that only decoded
     outputs = {}
     start = time.perf_counter()
     for i, ids in enumerate(prompts):
         engine.add_request(str(i), TokensPrompt(prompt_token_ids=ids), params)
     while engine.has_unfinished_requests():
-        decoding = bool(scheduler.running) and not scheduler.waiting and all(
-            r.num_computed_tokens >= r.num_prompt_tokens for r in scheduler.running)
-        width = len(scheduler.running)
+        before = {r.request_id for r in scheduler.running}
+        decoding = bool(before) and all(r.num_computed_tokens >= r.num_prompt_tokens for r in scheduler.running)
         t0 = time.perf_counter()
         for out in engine.step():
             if out.finished:
                 outputs[out.request_id] = list(out.outputs[0].token_ids)
-        if decoding and width == args.requests:
-            decode_times.append(time.perf_counter() - t0)
+        # A step that only decoded: every request was past its prompt and none was admitted.
+        if decoding and {r.request_id for r in scheduler.running} <= before:
+            decode_times.setdefault(len(before), []).append(time.perf_counter() - t0)
         steps += 1
         running.append(len(scheduler.running))
         for request in scheduler.running:
@@ -127,11 +129,18 @@ def run(path: Path, args, kv_bytes: int, kvcache_config: dict | None, prompts: l
         "mean_running": round(sum(running) / len(running), 2),
         "preempted_requests": len(preempted),
         "max_blocks_per_request_after_prompt": most_blocks,
-        # Median step while all requests decode together (none when they never all ran at once).
-        "decode_step_ms_all_requests": round(1000 * sorted(decode_times)[len(decode_times) // 2], 2)
-        if decode_times else None,
-        "decode_steps_timed": len(decode_times),
+        # Median of the steps that only decoded, at the batch width most of them had.
+        **decode_figures(decode_times),
     }
+
+
+def decode_figures(times: dict[int, list[float]]) -> dict:
+    if not times:
+        return {"decode_step_ms": None, "decode_width": None, "decode_steps_timed": 0}
+    width = max(times, key=lambda w: (len(times[w]), w))
+    steps = sorted(times[width])
+    return {"decode_step_ms": round(1000 * steps[len(steps) // 2], 2), "decode_width": width,
+            "decode_steps_timed": len(steps)}
 
 
 def main() -> None:
@@ -202,9 +211,11 @@ def main() -> None:
         # Total tokens/s of each policy's engine over plain vLLM's.
         "throughput_ratio": {policy: round(best[policy]["total_tok_s"] / plain["total_tok_s"], 2) for policy in configs},
         # Each policy's decode step (all requests decoding) over the first policy's, same run.
+        # (at the same batch width: policies with one budget run the same schedule)
         "decode_step_ratio_to_" + first: {
-            policy: round(best[policy]["decode_step_ms_all_requests"] / best[first]["decode_step_ms_all_requests"], 2)
-            if best[policy]["decode_step_ms_all_requests"] and best[first]["decode_step_ms_all_requests"] else None
+            policy: round(best[policy]["decode_step_ms"] / best[first]["decode_step_ms"], 2)
+            if best[policy]["decode_step_ms"] and best[first]["decode_step_ms"]
+            and best[policy]["decode_width"] == best[first]["decode_width"] else None
             for policy in configs},
         "wall_s_of_every_run": {name: [x["wall_s"] for x in results] for name, results in runs.items()},
         "load_average_1min": [round(x, 2) for x in load],
