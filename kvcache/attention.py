@@ -149,12 +149,14 @@ def masked_with_weights(
     sinks: int = 0,
     limit: int | None = None,
     q_sink: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    outputs: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """``masked`` attention that also reports how much attention each key received.
 
     q_weight: (B, T) float weight of each query in the totals (0 for padding or for queries a
     policy does not listen to). Returns
-        out:   (B, Hq, T, D) attention outputs,
+        out:   (B, Hq, T, D) attention outputs (None with ``outputs=False``: the caller wants the
+               totals alone, and the weights are not multiplied into the values),
         mass:  (B, Hkv, S) float32, sum over queries t and the G heads of a group of
                q_weight[t] * softmax weight(t -> s),
         seen:  (B, Hp, S) float32, sum over queries of q_weight[t] * [s visible to t].
@@ -163,13 +165,14 @@ def masked_with_weights(
     The softmax weights exist only for ``QUERY_BLOCK`` queries at a time.
     """
     if kernels.is_packed(k):
-        return kernels.attend(q, k, v, q_pos, k_pos, window=window, sinks=sinks, limit=limit, q_weight=q_weight,
-                              q_sink=q_sink)
+        out, mass, seen = kernels.attend(q, k, v, q_pos, k_pos, window=window, sinks=sinks, limit=limit,
+                                         q_weight=q_weight, q_sink=q_sink)
+        return (out if outputs else None), mass, seen
     B, Hq, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     G = Hq // Hkv
     scale = D**-0.5
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if outputs else None
     mass = torch.zeros(B, Hkv, S, dtype=torch.float32, device=q.device)
     seen = torch.zeros(B, k_pos.shape[1], S, dtype=torch.float32, device=q.device)
     kt = k.transpose(-1, -2)
@@ -192,8 +195,9 @@ def masked_with_weights(
         # In place: the scores are a fresh product (or cast) that nothing else holds.
         scores = scores.masked_fill_(~vis.unsqueeze(2), torch.finfo(torch.float32).min)
         weights = scores.softmax(-1)
-        ob = weights.to(v.dtype).view(B, Hkv, G * n, S) @ v
-        out[:, :, start:stop] = ob.view(B, Hq, n, D)
+        if outputs:
+            ob = weights.to(v.dtype).view(B, Hkv, G * n, S) @ v
+            out[:, :, start:stop] = ob.view(B, Hq, n, D)
         # Weighted sums over queries as matrix-vector products: (B, 1, 1, G*n) @ (B, Hkv, G*n, S).
         # (A reduction over the G and query axes of the 5-d weights is several times slower.)
         qw = q_weight[:, start:stop].float()

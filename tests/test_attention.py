@@ -125,6 +125,18 @@ def test_masked_query_blocks(monkeypatch):
     assert torch.allclose(blocked, _reference(q, k, v, q_pos, k_pos, 6), atol=atol("cache"))
 
 
+def test_weights_alone_give_the_same_totals():
+    """``outputs=False`` skips the outputs and changes nothing in the totals it reports."""
+    q, k, v = _qkv(2, 4, 2, 9, 13, seed=3)
+    q_pos = torch.arange(4, 13, device=DEVICE).expand(2, -1)
+    k_pos = torch.arange(13, device=DEVICE).expand(2, 1, -1)
+    weight = torch.rand(2, 9, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    out, mass, seen = attention.masked_with_weights(q, k, v, q_pos, k_pos, weight, window=5)
+    none, mass_alone, seen_alone = attention.masked_with_weights(q, k, v, q_pos, k_pos, weight, window=5, outputs=False)
+    assert none is None and out is not None
+    assert torch.equal(mass_alone, mass) and torch.equal(seen_alone, seen)
+
+
 def test_all_visible_skips_only_a_redundant_mask():
     q, k, v = _qkv(2, 4, 2, 1, 6, seed=3)
     q_pos = torch.full((2, 1), 5, device=DEVICE)

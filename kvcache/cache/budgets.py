@@ -60,7 +60,8 @@ class _VoteRecorder(DenseCache):
         k_pos = step.positions[:, None, :]
         weight = torch.ones_like(step.positions[:, listened], dtype=torch.float32)
         _, mass, _ = attention.masked_with_weights(
-            q[:, :, listened], k, v, step.positions[:, listened], k_pos, weight, limit=self.spec.sliding_window)
+            q[:, :, listened], k, v, step.positions[:, listened], k_pos, weight, limit=self.spec.sliding_window,
+            outputs=False)
         self.votes = pool_votes(mass, k_pos.expand_as(mass), self.kernel, "avg")
         return out
 

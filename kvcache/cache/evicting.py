@@ -136,7 +136,7 @@ class EvictingCache(LayerCache):
             if 2 * listened.numel() <= q.shape[2]:
                 out = self._outputs(q, k, v, q_pos, k_pos, step, rule)
                 _, mass, seen = attention.masked_with_weights(
-                    q[:, :, listened], k, v, q_pos[:, listened], k_pos, weight[:, listened], **rule)
+                    q[:, :, listened], k, v, q_pos[:, listened], k_pos, weight[:, listened], outputs=False, **rule)
                 return out, mass, seen
         return attention.masked_with_weights(q, k, v, q_pos, k_pos, weight, q_sink=q_sink, **rule)
 

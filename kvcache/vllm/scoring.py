@@ -197,7 +197,8 @@ def _score(state: LayerState, work: Work, isa: str, query: torch.Tensor, kv_cach
             first = seen if policy.observe_every_step else total - 1
             weight = torch.cat([policy.query_weight(step_of(t, t + 1)) for t in range(first, total)], 1)
             _, mass, seen_by = attention.masked_with_weights(
-                q[:, :, first - seen:], keys, values, torch.arange(first, total)[None], positions, weight)
+                q[:, :, first - seen:], keys, values, torch.arange(first, total)[None], positions, weight,
+                outputs=False)
     q = q[:, :, -step.num_tokens:]
     c = Candidates(keys, values, positions, stats, q, step, mass, seen_by)
     if observes and (mass is not None or not policy.needs_attention):
@@ -256,7 +257,7 @@ def _add_prompt_mass(state: LayerState, policy, q: torch.Tensor, work: Work, isa
     k_pos = torch.arange(total)[None, None].expand(1, Hp, total)
     q_pos = (seen + listened)[None]
     _, mass, seen_by = attention.masked_with_weights(q[:, :, listened], keys, values, q_pos, k_pos,
-                                                     chunk[listened][None])
+                                                     chunk[listened][None], outputs=False)
     state.mass[:, :total] += mass[0]
     state.seen[:, :total] += seen_by[0]
 

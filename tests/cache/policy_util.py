@@ -179,10 +179,10 @@ class AttentionRecorder:
             return orig[0](q, k, v, q_pos, k_pos, window=window, sinks=sinks, limit=limit, all_visible=all_visible)
 
         def masked_with_weights(q, k, v, q_pos, k_pos, q_weight, *, window=None, sinks=0, limit=None,
-                                q_sink=None):
+                                q_sink=None, outputs=True):
             record(q_pos, k_pos, window, sinks, limit)
             return orig[1](q, k, v, q_pos, k_pos, q_weight, window=window, sinks=sinks, limit=limit,
-                           q_sink=q_sink)
+                           q_sink=q_sink, outputs=outputs)
 
         def decode(q, k, v, visible, **kwargs):
             # One query per row, at the row's current length; keys are the first S storage slots.
