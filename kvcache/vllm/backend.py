@@ -28,7 +28,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec
 
-from .config import ConfigError, PluginConfig, parse
+from .config import ROTARY, ConfigError, PluginConfig, parse
 from .state import BATCH, ENGINE
 from .rule import request_rule
 from .scoring import Work, after_step, needed
@@ -91,7 +91,23 @@ def configured(vllm_config) -> PluginConfig | None:
         raise ConfigError("kvcache vLLM plugin: decode context parallelism is not supported")
     if vllm_config.speculative_config is not None:
         raise ConfigError("kvcache vLLM plugin: speculative decoding is not supported")
+    if config.policy in ROTARY and rotary_frequencies(vllm_config) is None:
+        raise ConfigError(f"kvcache vLLM plugin: the {config.policy} policy needs the model's rotary frequencies, "
+                          f"which kvcache reads from the config of the model families it loads only")
     return config
+
+
+def rotary_frequencies(vllm_config) -> torch.Tensor | None:
+    """The model's rotary frequencies as kvcache's own model computes them from its config.json,
+    or None for a model kvcache does not load (then expected_attention is refused)."""
+    from ..config import ModelConfig
+    from ..rope import inverse_frequencies
+
+    try:
+        cfg = ModelConfig.from_hf(vllm_config.model_config.hf_config.to_dict())
+    except Exception:  # any model kvcache does not read: only expected_attention needs this
+        return None
+    return inverse_frequencies(cfg.rope, cfg.head_dim)
 
 
 class KVCacheCPUBackend(CPUAttentionBackend):
@@ -102,6 +118,7 @@ class KVCacheCPUBackend(CPUAttentionBackend):
         vllm_config = get_current_vllm_config_or_none()
         if vllm_config is not None:
             ENGINE.config = configured(vllm_config)
+            ENGINE.inv_freq = rotary_frequencies(vllm_config)
             ENGINE.known = True
         return KVCacheCPUImpl
 

@@ -23,8 +23,10 @@ from ..cache.registry import layer_cache, parse_name, policy_class
 POSITIONAL = ("window", "sink")
 # Policies that score tokens on the worker: blocks are freed as window frees them, and each
 # layer moves the blocks its policy keeps into the ones window keeps (scoring.py).
-SCORING = ("snapkv", "tova", "knorm", "keydiff", "h2o")
+SCORING = ("snapkv", "tova", "knorm", "keydiff", "h2o", "expected_attention")
 SUPPORTED = POSITIONAL + SCORING
+# Policies that rotate queries themselves and so need the model's rotary frequencies.
+ROTARY = ("expected_attention",)
 # make_cache arguments that are not the plugin's to take: vLLM decides batching and layouts.
 NOT_OPTIONS = ("batch_size", "prompt_length", "allocation", "head_budgets", "reserve")
 
@@ -48,13 +50,16 @@ class PluginConfig:
         """Whether the policy scores tokens on the worker (``SCORING``)."""
         return self.policy in SCORING
 
-    def layer(self) -> LayerCache:
+    def layer(self, inv_freq: torch.Tensor | None = None) -> LayerCache:
         """kvcache's layer cache of this policy (one row, one head), with options left out set as
         ``make_cache`` sets them for this budget: its ``priority``, ``observe`` and
         ``blocks.keep_whole_blocks`` are the rule the plugin applies (rule.py, scoring.py).
-        Its slot buffers go unused."""
+        Its slot buffers go unused. ``inv_freq``: the model's rotary frequencies, for a policy
+        that rotates queries itself (expected_attention); without them (checking options) a
+        placeholder stands in, which no check reads."""
         spec = CacheSpec(batch_size=1, num_kv_heads=1, head_dim=2, cache_length=self.cache_length,
-                         dtype=torch.float32, device=torch.device("cpu"), block=self.block)
+                         dtype=torch.float32, device=torch.device("cpu"), block=self.block,
+                         inv_freq=torch.ones(1) if inv_freq is None else inv_freq)
         return layer_cache(policy_class(self.policy), spec, dict(self.options))
 
 

@@ -17,7 +17,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
-from .config import SUPPORTED, ConfigError, PluginConfig, decoded, for_request
+from .config import ROTARY, SUPPORTED, ConfigError, PluginConfig, decoded, for_request
 from .state import BATCH, ENGINE, Row
 
 # The budget a request's options are checked against where the engine's is unknown: room for any
@@ -43,7 +43,10 @@ class KVCacheRequests(LogitsProcessor):
         if raw is None:
             return
         if ENGINE.config is not None:
-            for_request(ENGINE.config, raw)
+            config = for_request(ENGINE.config, raw)
+            if config.policy in ROTARY and ENGINE.inv_freq is None:
+                raise ConfigError(f"kvcache vLLM plugin, SamplingParams.extra_args['kvcache']: the {config.policy} "
+                                  "policy needs the model's rotary frequencies, which kvcache cannot read for this model")
         elif ENGINE.known:
             raise ValueError("kvcache vLLM plugin: SamplingParams.extra_args['kvcache'] is given but the engine "
                              "has no kvcache configuration; start it with additional_config={'kvcache': {...}}")

@@ -20,6 +20,7 @@ import torch
 
 from ..cache.blocks import keep_whole_blocks
 from ..cache.candidates import Candidates
+from ..cache.evicting import EvictingCache
 from .config import ConfigError, PluginConfig, for_request, request_key
 
 
@@ -31,7 +32,11 @@ class BlockRule:
     scoring policy, whose worker moves the blocks it keeps into those columns (scoring.py)."""
 
     def __init__(self, config: PluginConfig) -> None:
+        self.config = config
         self.policy = config.layer()
+        # A policy that keeps state of its own beyond per-token statistics (expected_attention's
+        # query moments) needs an instance per request and layer (scoring.py).
+        self.stateful = type(self.policy).reset is not EvictingCache.reset
         self.scoring = config.scoring
         self.layer = PluginConfig("window", config.cache_length, (), config.block).layer() if self.scoring else self.policy
         self.block = config.block

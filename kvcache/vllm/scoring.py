@@ -33,7 +33,7 @@ from ..cache.blocks import EMPTY, keep_whole_blocks
 from ..cache.candidates import Candidates
 from .layout import read
 from .rule import BlockRule
-from .state import Row
+from .state import ENGINE, Row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +60,7 @@ class LayerState:
     its listened queries."""
 
     first: int = 0
+    policy: object = None  # the request's own policy instance, for a policy with state (rule.stateful)
     base: torch.Tensor | None = None
     stats: torch.Tensor | None = None
     mass: torch.Tensor | None = None
@@ -79,12 +80,13 @@ def step_of(start: int, end: int) -> Step:
 def needed(rule: BlockRule, seen: int, total: int, prompt: int) -> bool:
     """Whether a scoring request's step [seen, total) has anything to do on the worker: a prompt
     chunk whose queries the policy listens to, the end of the prompt, and later steps that evict
-    or that the policy observes. Most decode steps of snapkv, tova, knorm and keydiff have not."""
+    or that the policy observes (h2o and expected_attention observe every call). Most decode steps
+    of snapkv, tova, knorm and keydiff have nothing to do."""
     policy = rule.policy
-    if seen < prompt:
-        return total >= prompt or (policy.needs_attention and (policy.observe_every_step or prompt > rule.cache_length))
     if policy._observes and (policy.observe_every_step or not policy.needs_attention):
-        return True
+        return True  # every call is observed (h2o's attention, expected_attention's queries)
+    if seen < prompt:
+        return total >= prompt or (policy.needs_attention and prompt > rule.cache_length)
     return rule.kept_blocks(total) != rule.read_by(total - 1, prompt)
 
 
@@ -96,10 +98,24 @@ def after_step(layer_name: str, isa: str, query: torch.Tensor, kv_cache: torch.T
         if _only_observes(work):
             observed.setdefault(id(work.rule), []).append(work)
             continue
-        state = work.row.scores.setdefault(layer_name, LayerState())
+        state = work.row.scores.get(layer_name)
+        if state is None:
+            state = work.row.scores[layer_name] = LayerState(policy=_own_policy(work.rule))
         _score(state, work, isa, query[work.q_start: work.q_end], kv_cache)
     for group in observed.values():
         _observe_decode(layer_name, group, isa, query, kv_cache)
+
+
+def _own_policy(rule: BlockRule):
+    """A fresh instance of the rule's policy for one request and layer, where the policy keeps
+    state of its own (expected_attention's query moments, with the model's rotary
+    frequencies); None where the rule's shared instance serves every request."""
+    if not rule.stateful:
+        return None
+    if ENGINE.inv_freq is None:
+        raise RuntimeError(f"kvcache vLLM plugin: the {rule.config.policy} policy needs the model's rotary "
+                           "frequencies, and kvcache cannot read this model's config")
+    return rule.config.layer(ENGINE.inv_freq)
 
 
 def _only_observes(work: Work) -> bool:
@@ -157,11 +173,16 @@ def _score(state: LayerState, work: Work, isa: str, query: torch.Tensor, kv_cach
     at the end of the prompt, and at every later step that evicts or that the policy observes,
     run the policy over the blocks the step read; where it evicts, move the blocks kept into
     window's columns and keep their positions and statistics."""
-    rule, policy = work.rule, work.rule.policy
+    rule = work.rule
+    policy = state.policy or rule.policy
     N, C, P = rule.block, rule.cache_length, work.row.prompt
     seen, total = work.seen, work.total
     Hkv = kv_cache.shape[1]
     Hp = Hkv if policy.per_head else 1
+    if policy._observes and not policy.needs_attention:
+        # Statistics of the queries alone (expected_attention): every call adds its own, so the
+        # prompt's chunks and the tokens of a recompute add up as the calls they stand for.
+        policy.observe(Candidates(None, None, torch.full((1, Hp, 0), -1), {}, _queries(query), step_of(seen, total)))
     if seen < P:
         # A prompt chunk: its listened queries' attention, over the prompt so far, adds up.
         if policy.needs_attention and (policy.observe_every_step or P > C):
@@ -173,7 +194,7 @@ def _score(state: LayerState, work: Work, isa: str, query: torch.Tensor, kv_cach
         columns = list(rule.read_by(total - 1, P))
     after = list(rule.kept_blocks(total))
     evicts = after != columns
-    observes = policy._observes and (policy.observe_every_step or evicts or not policy.needs_attention)
+    observes = policy._observes and policy.needs_attention and (policy.observe_every_step or evicts)
     if not (evicts or observes):
         return  # most steps of a policy that scores only when it evicts
     q = _queries(query)  # (1, Hq, T, D)
@@ -201,7 +222,7 @@ def _score(state: LayerState, work: Work, isa: str, query: torch.Tensor, kv_cach
                 outputs=False)
     q = q[:, :, -step.num_tokens:]
     c = Candidates(keys, values, positions, stats, q, step, mass, seen_by)
-    if observes and (mass is not None or not policy.needs_attention):
+    if observes and mass is not None:
         policy.observe(c)
     state.mass = state.seen = None
     if not evicts:

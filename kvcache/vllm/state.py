@@ -20,6 +20,9 @@ class EngineConfig:
 
     config: PluginConfig | None = None
     known: bool = False  # whether this process has built a model (and so knows ``config``)
+    # The model's rotary frequencies as kvcache computes them (for expected_attention), or None
+    # where kvcache cannot read the model's config.
+    inv_freq: object = None
 
 
 @dataclasses.dataclass(frozen=True)

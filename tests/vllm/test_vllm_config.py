@@ -27,7 +27,7 @@ def test_a_good_configuration_is_kept_as_given():
     ({"cache_length": 64}, "'policy' .* is required"),
     ({"policy": "nope", "cache_length": 64}, "unknown policy 'nope'; available: .*sink"),
     ({"policy": "sink:int8", "cache_length": 64}, "'sink:int8': vLLM keeps keys and values in its own format; name the policy alone"),
-    ({"policy": "lagkv", "cache_length": 64}, "policy 'lagkv' is not supported in vLLM yet \\(supported: window, sink, snapkv, tova, knorm, keydiff, h2o\\)"),
+    ({"policy": "lagkv", "cache_length": 64}, "policy 'lagkv' is not supported in vLLM yet \\(supported: window, sink, snapkv, tova, knorm, keydiff, h2o, expected_attention\\)"),
     ({"policy": "window"}, "'cache_length' .* is required"),
     ({"policy": "window", "cache_length": 0.5}, "'cache_length' .* got 0.5"),
     ({"policy": "window", "cache_length": True}, "'cache_length' .* got True"),
@@ -50,6 +50,7 @@ def test_a_bad_configuration_says_what_is_wrong(raw, message):
     {"policy": "h2o", "cache_length": 100, "recent": 32},
     {"policy": "knorm", "cache_length": 96},
     {"policy": "tova", "cache_length": 70},
+    {"policy": "expected_attention", "cache_length": 96},
 ])
 def test_a_scoring_policy_keeps_as_many_blocks_as_the_rule(llama, raw):
     """Scoring requests are freed as window frees them, and each layer moves the blocks its

@@ -30,6 +30,7 @@ POLICIES = {
     "knorm": {"policy": "knorm", "cache_length": 96},
     "keydiff": {"policy": "keydiff", "cache_length": 96},
     "h2o": {"policy": "h2o", "cache_length": 96, "recent": 32},
+    "expected_attention": {"policy": "expected_attention", "cache_length": 96},
 }
 
 
