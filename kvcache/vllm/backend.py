@@ -91,6 +91,10 @@ def configured(vllm_config) -> PluginConfig | None:
         raise ConfigError("kvcache vLLM plugin: decode context parallelism is not supported")
     if vllm_config.speculative_config is not None:
         raise ConfigError("kvcache vLLM plugin: speculative decoding is not supported")
+    if vllm_config.cache_config.cache_dtype != "auto":
+        raise ConfigError(f"kvcache vLLM plugin: kv_cache_dtype={vllm_config.cache_config.cache_dtype!r} is not "
+                          "supported (scoring policies read keys and values at the model's precision); "
+                          "leave kv_cache_dtype='auto'")
     if config.policy in ROTARY and rotary_frequencies(vllm_config) is None:
         raise ConfigError(f"kvcache vLLM plugin: the {config.policy} policy needs the model's rotary frequencies, "
                           f"which kvcache reads from the config of the model families it loads only")

@@ -277,6 +277,8 @@ def test_bad_configurations_fail_at_engine_start(tmp_path):
         engine(path, {"policy": "sink", "cache_length": 64, "sink": 4})
     with pytest.raises(ConfigError, match="enable_prefix_caching=False"):
         engine(path, {"policy": "window", "cache_length": 64}, enable_prefix_caching=True)
+    with pytest.raises(ConfigError, match="kv_cache_dtype='fp8' is not supported"):
+        engine(path, {"policy": "snapkv", "cache_length": 64}, kv_cache_dtype="fp8")
 
 
 def test_request_options_checked_where_the_engine_is_not_known(monkeypatch):
