@@ -10,6 +10,14 @@ rounded up to fp16. Rounding outward keeps every element inside the range the co
 comes back within scale / 2 (plus the rounding of the result to the model's dtype), and the min and
 max map to codes 0 and 2^bits - 1. A constant group has scale 0 and comes back exactly.
 
+Clipped ranges (``quantize(..., clip=...)``, ``KEY_CLIP``): with few levels, the min-max range spends
+them on a group's extremes. Each group may instead take the range [min + a r, max - b r] (r =
+max - min) of the candidate (a, b) pairs, min-max included, whose codes reconstruct the group with
+the least squared error (ties: the earlier candidate, min-max first); elements outside it take
+code 0 or 2^bits - 1. The codes and their meaning are unchanged (q * scale + zero), so the error
+is never above min-max's, but an element may then come back further than scale / 2 from itself.
+On the bundled model's 2-bit keys this halves the error (docs/quantized.md).
+
 Packing: ``8 // bits`` codes share a byte; element ``per * i + j`` of a row sits in bits
 ``[j * bits, (j + 1) * bits)`` of byte i (int4: element 2i in the low nibble).
 """
@@ -20,6 +28,20 @@ import torch
 
 BITS = (2, 4, 8)
 FP16_MAX = 65504.0
+# Clipped-range candidates for keys (fraction of the range cut off below, above) per code width;
+# min-max, (0, 0), is always tried first. Widths not listed, and values at every width, quantize
+# over the min-max range: clipping 2-bit values too halved their error but cost agreement
+# (docs/quantized.md).
+_CUTS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3)
+KEY_CLIP: dict[int, tuple[tuple[float, float], ...]] = {
+    2: tuple((a, b) for a in _CUTS for b in _CUTS if a or b),
+}
+
+
+def key_clip(bits: int) -> tuple[tuple[float, float], ...]:
+    """The clipped ranges a storage of ``bits``-bit codes searches for keys (``KEY_CLIP``; empty:
+    min-max)."""
+    return KEY_CLIP.get(bits, ())
 
 
 def levels(bits: int) -> int:
@@ -56,11 +78,46 @@ def _fp16(x: torch.Tensor, up: bool) -> torch.Tensor:
     return torch.where(wrong, torch.nextafter(h, target), h)
 
 
-def quantize(x: torch.Tensor, bits: int, dim: int, valid: torch.Tensor | None = None
+def _range(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp16 scale and zero point of the range [lo, hi] (float32), rounded outward."""
+    zero = _fp16(lo, up=False)
+    return _fp16((hi - zero.float()) / levels(bits), up=True), zero
+
+
+def _codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """float32 codes of x (float32) under fp16 ``scale`` and ``zero``, in [0, 2^bits - 1]."""
+    s = scale.float()
+    return ((x - zero.float()) / torch.where(s > 0, s, 1.0)).round_().clamp_(0, levels(bits))
+
+
+def _clipped(x: torch.Tensor, bits: int, dim: int, lo: torch.Tensor, hi: torch.Tensor, valid: torch.Tensor | None,
+             clip) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per group, the range among min-max and the ``clip`` candidates whose codes reconstruct x
+    (float32) with the least squared error over ``dim`` (``valid`` elements only)."""
+    r = hi - lo
+    best_lo, best_hi, best = lo, hi, None
+    for a, b in ((0.0, 0.0), *clip):
+        c_lo, c_hi = (lo, hi) if a == b == 0 else (lo + a * r, hi - b * r)
+        scale, zero = _range(c_lo, c_hi, bits)
+        err = (_codes(x, scale, zero, bits).mul_(scale.float()).add_(zero.float()) - x).square_()
+        if valid is not None:
+            err = err.masked_fill_(~valid, 0.0)
+        err = err.sum(dim, keepdim=True)
+        if best is None:
+            best = err
+            continue
+        better = err < best
+        best = torch.where(better, err, best)
+        best_lo, best_hi = torch.where(better, c_lo, best_lo), torch.where(better, c_hi, best_hi)
+    return best_lo, best_hi
+
+
+def quantize(x: torch.Tensor, bits: int, dim: int, valid: torch.Tensor | None = None, clip=()
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize x over dimension ``dim`` (the group). Returns unpacked codes (x's shape, uint8)
     and fp16 scale and zero with ``dim`` kept as size 1. ``valid`` (broadcastable to x, bool)
-    leaves elements out of the range (the missing slots of a partial group); their codes are 0."""
+    leaves elements out of the range (the missing slots of a partial group); their codes are 0.
+    ``clip``: (a, b) pairs, clipped ranges searched besides min-max (module docstring)."""
     x = x.float()
     lo_in, hi_in = (x, x) if valid is None else (x.masked_fill(~valid, float("inf")), x.masked_fill(~valid, float("-inf")))
     lo = lo_in.amin(dim, keepdim=True)
@@ -69,20 +126,21 @@ def quantize(x: torch.Tensor, bits: int, dim: int, valid: torch.Tensor | None = 
         # A group with no valid element: any finite range will do.
         empty = torch.isinf(lo)
         lo, hi = lo.masked_fill(empty, 0.0), hi.masked_fill(empty, 0.0)
-    zero = _fp16(lo, up=False)
-    scale = _fp16((hi - zero.float()) / levels(bits), up=True)
-    s = scale.float()
-    q = ((x - zero.float()) / torch.where(s > 0, s, 1.0)).round_().clamp_(0, levels(bits))
+    if clip:
+        lo, hi = _clipped(x, bits, dim, lo, hi, valid, clip)
+    scale, zero = _range(lo, hi, bits)
+    q = _codes(x, scale, zero, bits)
     if valid is not None:
         q = q.masked_fill(~valid, 0)
     return q.to(torch.uint8), scale, zero
 
 
-def encode_tokens(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def encode_tokens(x: torch.Tensor, bits: int, group: int, clip=()) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token codes: x (..., D) in groups of ``group`` channels -> packed codes
-    (..., D * bits / 8) uint8 and meta (..., 2 * D / group) fp16 (the scales, then the zeros)."""
+    (..., D * bits / 8) uint8 and meta (..., 2 * D / group) fp16 (the scales, then the zeros).
+    ``clip``: as ``quantize``'s."""
     g = x.unflatten(-1, (-1, group))  # (..., n, group)
-    q, scale, zero = quantize(g, bits, dim=-1)
+    q, scale, zero = quantize(g, bits, dim=-1, clip=clip)
     return pack(q.flatten(-2), bits), torch.cat((scale, zero), -2).flatten(-2)
 
 

@@ -11,7 +11,7 @@ import torch
 import kvcache
 from kvcache import attention
 from kvcache.cache import CacheSpec
-from kvcache.quant.codes import decode_tokens, encode_tokens, quantize, unpack
+from kvcache.quant.codes import KEY_CLIP, decode_tokens, encode_tokens, key_clip, quantize, unpack
 from kvcache.cache.storages import kivi as kivi_module
 from kvcache.cache.storages.kivi import KiviStorage
 from kvcache.cache.storages.token import TokenStorage
@@ -275,6 +275,78 @@ def test_constant_groups_come_back_exactly():
     x = torch.full((1, 1, 3, 16), 0.25, device=DEVICE)
     codes, meta = encode_tokens(x, 4, 16)
     assert torch.equal(decode_tokens(codes, meta, 4, torch.float32), x)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("dim", [2, 3])
+def test_clipped_ranges_reconstruct_no_worse_than_min_max(bits, dim):
+    """A clipped range is chosen per group only where it reconstructs the group with less squared
+    error: never more error than min-max, less on Gaussian data with outliers at 2 bits, and the
+    codes read back as min-max's do (q * scale + zero, codes within range). Where min-max wins,
+    the codes and scales are min-max's."""
+    g = torch.Generator().manual_seed(bits + dim)
+    x = torch.randn(2, 2, 64, 32, generator=g) * torch.linspace(0.2, 4, 32) + torch.linspace(-3, 3, 32)
+    x[torch.rand(x.shape, generator=g) < 0.01] *= 6
+    x = x.to(DEVICE)
+    clip = ((0.05, 0.05), (0.1, 0.1), (0.2, 0.0), (0.0, 0.2), (0.25, 0.25))
+    q0, s0, z0 = quantize(x, bits, dim)
+    q1, s1, z1 = quantize(x, bits, dim, clip=clip)
+    assert q1.dtype == torch.uint8 and int(q1.max()) <= 2**bits - 1 and s1.dtype == z1.dtype == torch.float16
+    e0 = ((q0.float() * s0.float() + z0.float() - x) ** 2).sum(dim, keepdim=True)
+    e1 = ((q1.float() * s1.float() + z1.float() - x) ** 2).sum(dim, keepdim=True)
+    assert bool((e1 <= e0).all())
+    same = (s1 == s0) & (z1 == z0)
+    assert torch.equal(torch.where(same, q1, 0), torch.where(same, q0, 0))
+    if bits == 2:
+        assert float(e1.sum()) < 0.8 * float(e0.sum())
+    # Constant groups still come back exactly; valid masks still leave elements out of the range.
+    c = torch.full((1, 1, 8, 4), 0.5, device=DEVICE)
+    qc, sc, zc = quantize(c, bits, 2, clip=clip)
+    assert torch.equal(qc.float() * sc.float() + zc.float(), c)
+    valid = torch.arange(64, device=DEVICE)[:, None] < 40
+    qv, sv, zv = quantize(x, bits, 2, valid=valid, clip=clip)
+    assert torch.equal(quantize(x[:, :, :40], bits, 2, clip=clip)[1], sv) and bool((qv[:, :, 40:] == 0).all())
+
+
+def test_storages_encode_keys_with_their_widths_clipped_ranges():
+    """2-bit storages search the clipped ranges of ``KEY_CLIP`` for keys (per token, and KIVI's
+    per-channel groups); values, and 4- and 8-bit keys, are quantized over min-max, as before."""
+    assert key_clip(8) == key_clip(4) == () and key_clip(2) == KEY_CLIP[2] != ()
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1, 2, 3, 16, generator=g).to(DEVICE)
+    for name in ("int2", "token2", "int4", "int8"):
+        store = make_storage(spec(storage=name))
+        assert store.key_clip == key_clip(store.bits)
+        assert all(torch.equal(a, b) for a, b in zip(store.encode(x), encode_tokens(x, store.bits, 16)))
+        assert all(torch.equal(a, b) for a, b in zip(store.encode_keys(x), encode_tokens(x, store.bits, 16, store.key_clip)))
+        # A write stores those codes.
+        store.write_slice(0, x, x, torch.arange(3, device=DEVICE)[None])
+        assert torch.equal(store.v[:, :, :3], store.encode(x)[0]) and torch.equal(store.k[:, :, :3], store.encode_keys(x)[0])
+    store = make_storage(spec(D=16, C=64, storage="kivi2/16"))
+    k = torch.randn(1, 2, 16, 16, generator=g).to(DEVICE) * torch.linspace(0.5, 3, 16).to(DEVICE)
+    v = torch.randn(1, 2, 16, 16, generator=g).to(DEVICE)
+    store.write_slice(0, k, v, torch.arange(16, device=DEVICE)[None])
+    q, scale, zero = quantize(k, 2, 2, clip=KEY_CLIP[2])
+    assert torch.equal(store.k_channel[:, :, 0], torch.cat((scale, zero), 2))
+    assert torch.equal(unpack(store.k[:, :, :16], 2), q)
+
+
+@pytest.mark.parametrize("name", QUANTIZED + ["token4/8"])
+def test_a_decode_write_stores_the_codes_of_separate_encodes(name):
+    """A write of a few tokens encodes keys and values in one call: the codes and scales it
+    stores are those of encoding each alone."""
+    B, H, D, C = 2, 2, 16, 8
+    gen = torch.Generator().manual_seed(7)
+    store = make_storage(spec(D=D, H=H, C=C, B=B, storage=name))
+    k = (torch.randn(B, H, 1, D, generator=gen) * torch.linspace(0.1, 6, D)).to(DEVICE)
+    v = torch.randn(B, H, 1, D, generator=gen).to(DEVICE)
+    slots = torch.tensor([[5], [C]], device=DEVICE)  # a slot, and the scratch slot
+    store.write(slots, k, v, slots)
+    kq, km = store.encode_keys(k)
+    vq, vm = store.encode(v)
+    for b, s in enumerate(slots[:, 0].tolist()):
+        assert torch.equal(store.k[b, :, s], kq[b, :, 0]) and torch.equal(store.v[b, :, s], vq[b, :, 0])
+        assert torch.equal(store.v_meta[b, :, s], vm[b, :, 0]) and torch.equal(store.k_meta[b, :, s], km[b, :, 0])
 
 
 # ----- logits against full precision ----------------------------------------------------------

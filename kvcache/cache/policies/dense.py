@@ -65,7 +65,11 @@ class DenseCache(LayerCache):
         # fits); an eager step attends the slots any row has filled, and rows filled alike
         # (within the model's window) need no mask.
         C = self.spec.cache_length
-        self.storage.write(step.positions, k, v, step.positions)
+        if step.uniform:
+            # Every row writes slot start0: a slice, cheaper than a scatter per buffer.
+            self.storage.write_slice(step.start0, k, v, step.positions)
+        else:
+            self.storage.write(step.positions, k, v, step.positions)
         span = step.span_end if step.known else C
         ks, vs, pos = self.storage.view(span)
         if step.uniform and (self.spec.sliding_window is None or span <= self.spec.sliding_window):

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from ...quant.codes import encode_tokens, pack, quantize, unpack
 from ...quant.packed import CHANNEL, RESIDUAL, TOKEN, PackedKeys, PackedValues, after
 from ..base import CacheSpec
-from .token import TokenStorage
+from .token import TokenStorage, _encode_pair, _stackable
 
 
 # Queries per fused call of ``KiviStorage.attend_chunk``: their mask (queries x slots) stays small.
@@ -118,7 +118,7 @@ class KiviStorage(TokenStorage):
 
     def encode_keys(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token key codes (the TOKEN layout): one group of channels per token and head."""
-        return encode_tokens(k, self.bits, self.head_dim)
+        return encode_tokens(k, self.bits, self.head_dim, self.key_clip)
 
     def roundtrip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The new tokens as an evicting cache's chunk attends them before placing them: values as
@@ -130,8 +130,12 @@ class KiviStorage(TokenStorage):
         return k, v
 
     def _encoded(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        vr = self._reuse(v, 1)
+        if vr is None and self.group == self.head_dim and not self.key_clip and _stackable(k, v):
+            # Keys per token and values share one group of channels and min-max: one call for both.
+            return _encode_pair(self.encode_keys, k, v)
         kq, km = self.encode_keys(k)
-        vq, vm = self._reuse(v, 1) or self.encode(v)
+        vq, vm = vr or self.encode(v)
         return kq, vq, km, vm
 
     # ----- writes in slot order: the residual and its groups --------------------------------
@@ -161,8 +165,9 @@ class KiviStorage(TokenStorage):
             self._write_runs(slots, k, v, positions)
 
     def _write_one(self, s: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """One token per row at slots ``s`` (B,), k, v (B, H, D): fixed shapes and no host reads,
-        so a captured decode step runs it. The ``_Runs`` rules for a single token."""
+        """One token per row at slots ``s`` (B,), k, v (B, H, D): fixed shapes and no host reads
+        (but one on the CPU, eager), so a captured decode step runs it. The ``_Runs`` rules for a
+        single token."""
         G, C, NG = self.key_group, self.pos.shape[2] - 1, self.whole_groups
         B, H, D = k.shape
         real = s < C
@@ -180,10 +185,21 @@ class KiviStorage(TokenStorage):
         fill = torch.where(resid, offset + 1, torch.where(abandon, 0, self.fill))
         res_start = torch.where(resid, group * G, torch.where(abandon, -1, self.res_start))
         seal = resid & (offset == G - 1)
-        # Quantize every row's residual per channel; keep the result where a row completes its group.
-        q, scale, zero = quantize(self.k_residual, self.bits, dim=2)
+        # On the CPU, eager, a step that completes no group skips the sealing below (it would
+        # change nothing; a host read costs nothing there). Captured or on a GPU it always runs.
+        if torch.compiler.is_compiling() or s.device.type != "cpu" or bool(seal.any()):
+            self._seal_one(seal, group)
+        self.fill.copy_(torch.where(seal, 0, fill))
+        self.res_start.copy_(torch.where(seal, -1, res_start))
+
+    def _seal_one(self, seal: torch.Tensor, group: torch.Tensor) -> None:
+        """Quantize every row's residual per channel and keep the result where ``seal`` (B,) says
+        the row completed its group ``group`` (B,) (``_write_one``)."""
+        G, NG, D = self.key_group, self.whole_groups, self.head_dim
+        B, H = self.k.shape[:2]
+        q, scale, zero = quantize(self.k_residual, self.bits, dim=2, clip=self.key_clip)
         g = group.clamp(max=NG - 1)
-        slots = (g[:, None] * G + torch.arange(G, device=s.device))[:, None, :, None]  # (B, 1, G, 1)
+        slots = (g[:, None] * G + torch.arange(G, device=g.device))[:, None, :, None]  # (B, 1, G, 1)
         idx = slots.expand(B, H, G, self.k.shape[-1])
         self.k.scatter_(2, idx, torch.where(seal[:, None, None, None], pack(q, self.bits), self.k.gather(2, idx)))
         midx = slots.expand(B, H, G, 2)
@@ -191,8 +207,6 @@ class KiviStorage(TokenStorage):
         cidx = g[:, None, None, None, None].expand(B, H, 1, 2, D)
         meta = torch.cat((scale, zero), 2).unsqueeze(2)  # (B, H, 1, 2, D)
         self.k_channel.scatter_(2, cidx, torch.where(seal[:, None, None, None, None], meta, self.k_channel.gather(2, cidx)))
-        self.fill.copy_(torch.where(seal, 0, fill))
-        self.res_start.copy_(torch.where(seal, -1, res_start))
 
     def _write_runs(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """A chunk: plan its runs on the host (``_Runs``), stage each residual run's keys and
@@ -236,7 +250,7 @@ class KiviStorage(TokenStorage):
         """Quantize the staged keys of runs (bs, rs) per channel over their groups and store them."""
         G, dev = self.key_group, self.k.device
         b_idx, g_idx = bs.to(dev), groups.to(dev)
-        q, scale, zero = quantize(stage[b_idx, :, rs.to(dev)], self.bits, dim=2)  # (n, H, G, D)
+        q, scale, zero = quantize(stage[b_idx, :, rs.to(dev)], self.bits, dim=2, clip=self.key_clip)  # (n, H, G, D)
         self.k_channel[b_idx, :, g_idx] = torch.cat((scale, zero), 2)  # (n, H, 2, D)
         slot = g_idx[:, None] * G + torch.arange(G, device=dev)  # (n, G)
         rows = b_idx[:, None].expand_as(slot)
@@ -312,7 +326,7 @@ class KiviStorage(TokenStorage):
             grp = (idx[..., j0:j1] // G).clamp(max=self.k_channel.shape[2] - 1)  # (B, H, n) source groups
             meta = self.k_channel.gather(2, grp[..., None, None].expand(B, H, j1 - j0, 2, D)).float()
             x = unpack(self.k[:, :, j0:j1], self.bits).float() * meta[..., 0, :] + meta[..., 1, :]
-            codes, km = encode_tokens(x, self.bits, D)
+            codes, km = encode_tokens(x, self.bits, D, self.key_clip)
             self.k[:, :, j0:j1] = torch.where(m[..., None], codes, self.k[:, :, j0:j1])
             self.k_meta[:, :, j0:j1] = torch.where(m[..., None], km, self.k_meta[:, :, j0:j1])
 
@@ -336,7 +350,7 @@ class KiviStorage(TokenStorage):
             x = new_k.gather(2, src[..., j0:j1].clamp(min=0)[..., None].expand(B, H, j1 - j0, D))
             if fresh is not None:
                 x = torch.where(fresh[..., j0:j1, None], x, keys.decode(j0, j1).to(x.dtype))
-            q, scale, zero = quantize(x.view(B, H, g1 - g0, G, D), self.bits, dim=3)
+            q, scale, zero = quantize(x.view(B, H, g1 - g0, G, D), self.bits, dim=3, clip=self.key_clip)
             slot_w = w.repeat_interleave(G, -1)
             self.k[:, :, j0:j1] = torch.where(slot_w[..., None], pack(q, self.bits).flatten(2, 3), self.k[:, :, j0:j1])
             meta = torch.cat((scale, zero), 3)  # (B, H, n, 2, D)

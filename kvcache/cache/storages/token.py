@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ...quant.codes import decode_tokens, encode_tokens
+from ...quant.codes import decode_tokens, encode_tokens, key_clip
 from ...quant.packed import PackedKeys, PackedValues, after
 from ..base import CacheSpec
 
@@ -54,6 +54,9 @@ class TokenStorage:
     def __init__(self, spec: CacheSpec, bits: int, per_head: bool = False, group: int | None = None) -> None:
         B, H, C, D = spec.batch_size, spec.num_kv_heads, spec.cache_length, spec.head_dim
         self.bits, self.group, self.dtype, self.head_dim = bits, D if group is None else group, spec.dtype, D
+        # Clipped ranges searched when a key is encoded (quant/codes.py; none: min-max). Values
+        # are always quantized over their min-max range.
+        self.key_clip = key_clip(bits)
         dev = spec.device
         self.k = torch.zeros(B, H, C + 1, D * bits // 8, dtype=torch.uint8, device=dev)
         self.v = torch.zeros_like(self.k)
@@ -65,8 +68,13 @@ class TokenStorage:
 
     # ----- codes -------------------------------------------------------------------------------
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: (B, H, T, D) -> codes (B, H, T, D * bits / 8) uint8, meta (B, H, T, 2 * D / group) fp16."""
+        """Values x: (B, H, T, D) -> codes (B, H, T, D * bits / 8) uint8, meta (B, H, T, 2 * D / group)
+        fp16, over each group's min-max range."""
         return encode_tokens(x, self.bits, self.group)
+
+    def encode_keys(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys as ``encode``, each group's range chosen among ``key_clip``'s clipped ones."""
+        return encode_tokens(k, self.bits, self.group, self.key_clip)
 
     def decode(self, codes: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
         """Inverse of ``encode``: (B, H, T, D) at the model's dtype."""
@@ -76,7 +84,7 @@ class TokenStorage:
         """k, v (B, Hkv, T, D) as attention reads them once stored. Storing what this returns
         stores the codes computed here: quantizing a read-back value again need not reproduce
         them (an fp16 zero point cannot always sit within half a step of a group's minimum)."""
-        kq, km = self.encode(k)
+        kq, km = self.encode_keys(k)
         vq, vm = self.encode(v)
         k, v = self.decode(kq, km), self.decode(vq, vm)
         self._read_back = ((k, kq, km), (v, vq, vm))
@@ -87,8 +95,11 @@ class TokenStorage:
 
     def _encoded(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The new tokens' (k codes, v codes, k meta, v meta), in the order of ``_buffers``."""
-        kq, km = self._reuse(k, 0) or self.encode(k)
-        vq, vm = self._reuse(v, 1) or self.encode(v)
+        kr, vr = self._reuse(k, 0), self._reuse(v, 1)
+        if kr is None and vr is None and not self.key_clip and _stackable(k, v):
+            return _encode_pair(self.encode, k, v)
+        kq, km = kr or self.encode_keys(k)
+        vq, vm = vr or self.encode(v)
         return kq, vq, km, vm
 
     def _reuse(self, x: torch.Tensor, which: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -150,6 +161,23 @@ class TokenStorage:
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.buffers().values())
+
+
+# Tokens (rows x heads x tokens) up to which a write encodes its keys and values in one call.
+STACK_TOKENS = 64
+
+
+def _stackable(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether k and v are a few tokens of one shape and dtype (a decode step's write), whose
+    encoding costs more in per-call overhead than in arithmetic: one call for both then."""
+    return k.shape == v.shape and k.dtype == v.dtype and k.shape[:-1].numel() <= STACK_TOKENS
+
+
+def _encode_pair(encode, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(k codes, v codes, k meta, v meta) of ``encode`` applied to k and v stacked: the same bits
+    as two calls (every group is quantized on its own), at one call's overhead."""
+    codes, meta = encode(torch.stack((k, v)))
+    return codes[0], codes[1], meta[0], meta[1]
 
 
 def _scatter_tokens(buffers, slots: torch.Tensor, new) -> None:
