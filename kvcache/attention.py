@@ -215,17 +215,22 @@ def decode(
     q_sink: torch.Tensor | None = None,
     sink_slots: int = 0,
     want_mass: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+    outputs: bool = True,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """One query per row against S key slots.
 
     q: (B, Hq, 1, D); k, v: (B, Hkv, S, D); visible: (B, Hp, S) bool or None (all visible).
+    ``outputs=False`` (with ``want_mass``) returns None for the outputs and never reads ``v``.
     ``q_sink`` (B, Hq, 1, D), if given, scores the first ``sink_slots`` slots instead of q
     (renumbered attention sinks; fused path only). Returns out (B, Hq, 1, D) and, with
     ``want_mass``, the attention each slot received summed over the G query heads of its group:
     (B, Hkv, S) float32, from explicit softmax weights.
     """
     if kernels.is_packed(k):
-        return kernels.decode(q, k, v, visible, q_sink=q_sink, sink_slots=sink_slots, want_mass=want_mass)
+        out, mass = kernels.decode(q, k, v, visible, q_sink=q_sink, sink_slots=sink_slots, want_mass=want_mass)
+        return (out if outputs else None), mass
+    if not (outputs or want_mass):
+        raise ValueError("decode: outputs=False asks for the attention mass alone; pass want_mass=True")
     B, Hq, _, D = q.shape
     Hkv = k.shape[1]
     G = Hq // Hkv
@@ -243,6 +248,8 @@ def decode(
     if visible is not None:
         scores = scores.masked_fill(~visible.unsqueeze(2), float("-inf"))
     weights = scores.softmax(-1)
+    if not outputs:
+        return None, weights.sum(2)
     out = torch.bmm(weights.to(v.dtype).view(B * Hkv, G, S), v.reshape(B * Hkv, S, D))
     return out.view(B, Hq, 1, D), weights.sum(2)
 

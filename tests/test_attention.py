@@ -137,6 +137,17 @@ def test_weights_alone_give_the_same_totals():
     assert torch.equal(mass_alone, mass) and torch.equal(seen_alone, seen)
 
 
+def test_decode_weights_alone_give_the_same_mass():
+    """``decode(outputs=False)`` reads no values and reports the mass ``want_mass`` reports."""
+    q, k, v = _qkv(3, 4, 2, 1, 11, seed=4)
+    visible = torch.rand(3, 1, 11, generator=torch.Generator().manual_seed(2)).to(DEVICE) > 0.3
+    _, mass = attention.decode(q, k, v, visible, want_mass=True)
+    none, alone = attention.decode(q, k, None, visible, want_mass=True, outputs=False)
+    assert none is None and torch.equal(alone, mass)
+    with pytest.raises(ValueError, match="outputs=False asks for the attention mass alone"):
+        attention.decode(q, k, v, visible, outputs=False)
+
+
 def test_all_visible_skips_only_a_redundant_mask():
     q, k, v = _qkv(2, 4, 2, 1, 6, seed=3)
     q_pos = torch.full((2, 1), 5, device=DEVICE)

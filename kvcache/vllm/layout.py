@@ -54,25 +54,30 @@ def slab_order(isa: str, dtype: torch.dtype, block: int, head_dim: int) -> tuple
     return key_index, value_index
 
 
-def read(kv_cache: torch.Tensor, blocks: torch.Tensor, isa: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of ``blocks`` (M,) long, in order: each (Hkv, M * block, D) in the cache's
-    dtype, ``kv_cache`` being one layer's ``(num_blocks, Hkv, block, 2 * D)``."""
-    _, H, N, D2 = kv_cache.shape
+def read(kv_cache: torch.Tensor, blocks: torch.Tensor, isa: str, values: bool = False) -> torch.Tensor:
+    """The keys (or with ``values`` the values) of ``blocks`` (..., M) long, in order:
+    (..., Hkv, M * block, D) in the cache's dtype, ``kv_cache`` being one layer's
+    ``(num_blocks, Hkv, block, 2 * D)``. Keys the kernel stores transposed come back as the
+    transpose of a contiguous (..., Hkv, D, M * block) tensor: one copy after the gather, and
+    ``k.transpose(-1, -2)`` (what attention multiplies by) is contiguous."""
+    nb, H, N, D2 = kv_cache.shape
     D = D2 // 2
-    M = len(blocks)
-    slabs = kv_cache[blocks].reshape(M, H, 2, N * D)  # (M, Hkv, keys | values, N D)
-    keys, values = (_tokens_first(slabs[:, :, i], index - i * N * D, N, D)
-                    for i, index in enumerate(slab_order(isa, kv_cache.dtype, N, D)))
-    return (keys.permute(1, 0, 2, 3).reshape(H, M * N, D), values.permute(1, 0, 2, 3).reshape(H, M * N, D))
+    lead, M = blocks.shape[:-1], blocks.shape[-1]
+    half = kv_cache.view(nb, H, 2, N * D)[:, :, int(values)]  # (num_blocks, Hkv, N D), one half
+    index = slab_order(isa, kv_cache.dtype, N, D)[int(values)] - int(values) * N * D
+    out = _by_head(half[blocks.reshape(-1)].view(-1, M, H, N * D), index, N, D)
+    return out.reshape(*lead, H, M * N, D)
 
 
-def _tokens_first(half: torch.Tensor, index: torch.Tensor, N: int, D: int) -> torch.Tensor:
-    """(M, Hkv, N, D) from one half of each slab, ``half`` (M, Hkv, N D), laid out as ``index``
-    (N, D) says: a view when the half is in token order or transposed (the ``vec`` kernel's
-    keys), a gather otherwise."""
+def _by_head(half: torch.Tensor, index: torch.Tensor, N: int, D: int) -> torch.Tensor:
+    """(R, Hkv, M N, D) from one half of each slab, ``half`` (R, M, Hkv, N D), laid out as
+    ``index`` (N, D) says: token order or transposed (the ``vec`` kernel's keys) by a permuted
+    copy, anything else by a gather."""
+    R, M, H = half.shape[:3]
     flat = torch.arange(N * D)
-    if torch.equal(index.reshape(-1), flat):
-        return half.view(*half.shape[:2], N, D)
     if torch.equal(index, flat.view(D, N).t()):
-        return half.view(*half.shape[:2], D, N).transpose(-1, -2)
-    return half[..., index.reshape(-1)].view(*half.shape[:2], N, D)
+        # (R, M, H, D, N) -> (R, H, D, M, N): the transpose of the result, contiguous.
+        return half.view(R, M, H, D, N).permute(0, 2, 3, 1, 4).reshape(R, H, D, M * N).transpose(-1, -2)
+    if not torch.equal(index.reshape(-1), flat):
+        half = half[..., index.reshape(-1)]
+    return half.view(R, M, H, N, D).permute(0, 2, 1, 3, 4).reshape(R, H, M * N, D)

@@ -67,6 +67,19 @@ class LayerState:
     seen: torch.Tensor | None = None
 
 
+class Values:
+    """The values of some blocks, read from the paged cache only if a policy asks for them
+    (``decoded()``, as ``Candidates`` reads a packed view): h2o's value norms, expected_attention's
+    value scaling. Scores need none, since they are the attention weights alone."""
+
+    def __init__(self, kv_cache: torch.Tensor, blocks: torch.Tensor, isa: str) -> None:
+        self.kv_cache, self.blocks, self.isa = kv_cache, blocks, isa
+
+    def decoded(self) -> torch.Tensor:
+        """(..., Hkv, M N, D) float32."""
+        return read(self.kv_cache, self.blocks, self.isa, values=True).float()
+
+
 def step_of(start: int, end: int) -> Step:
     """kvcache's Step for one request's tokens [start, end), as one call."""
     T = end - start
@@ -139,10 +152,9 @@ def _observe_decode(layer_name: str, works: list[Work], isa: str, query: torch.T
     K = max(len(c) for c in columns)
     states = [w.row.scores.setdefault(layer_name, LayerState()) for w in works]
     ids = torch.stack([w.table[c + [c[-1]] * (K - len(c))] for w, c in zip(works, columns)])  # (R, K)
-    keys, values = read(kv_cache, ids.reshape(-1), isa)  # (Hkv, R K N, D)
+    keys = read(kv_cache, ids, isa).float()  # (R, Hkv, K N, D)
+    values = Values(kv_cache, ids, isa)
     R = len(works)
-    keys = keys.view(Hkv, R, K * N, -1).transpose(0, 1).float()
-    values = values.view(Hkv, R, K * N, -1).transpose(0, 1).float()
     positions = torch.full((R, Hp, K * N), -1, dtype=torch.long)
     stats = torch.zeros(len(policy.stat_names), R, Hp, K * N)
     bases = []
@@ -155,7 +167,7 @@ def _observe_decode(layer_name: str, works: list[Work], isa: str, query: torch.T
             stats[:, r, :, : len(c) * N] = torch.stack(_stats(state, policy, c, Hp, N)).reshape(-1, Hp, len(c) * N)
     q = torch.stack([query[w.q_start] for w in works]).float()[:, :, None]  # (R, Hq, 1, D)
     visible = positions >= 0
-    _, mass = attention.decode(q, keys, values, visible, want_mass=True)
+    _, mass = attention.decode(q, keys, None, visible, want_mass=True, outputs=False)
     step = Step(positions=torch.tensor([[w.seen] for w in works]), valid=torch.ones(R, 1, dtype=torch.bool),
                 append_slot=torch.tensor([[w.seen] for w in works]), last_index=torch.zeros(R, dtype=torch.long),
                 newest=torch.tensor([w.seen for w in works]), start=torch.tensor([w.seen for w in works]),
@@ -206,8 +218,8 @@ def _score(state: LayerState, work: Work, isa: str, query: torch.Tensor, kv_cach
     base = _base(state, columns, Hp, N)  # (Hp, K)
     positions = base[:, :, None] + torch.arange(N)  # (Hp, K, N)
     positions = torch.where(positions < total, positions, -1).reshape(1, Hp, -1)
-    keys, values = read(kv_cache, work.table[columns], isa)
-    keys, values = keys.float()[None], values.float()[None]  # (1, Hkv, K N, D)
+    keys = read(kv_cache, work.table[columns][None], isa).float()  # (1, Hkv, K N, D)
+    values = Values(kv_cache, work.table[columns][None], isa)
     stats = {name: s.reshape(1, Hp, -1) for name, s in zip(policy.stat_names, _stats(state, policy, columns, Hp, N))}
     mass, seen_by = None, 1.0
     if policy.needs_attention and (observes or evicts):
@@ -218,7 +230,7 @@ def _score(state: LayerState, work: Work, isa: str, query: torch.Tensor, kv_cach
             first = seen if policy.observe_every_step else total - 1
             weight = torch.cat([policy.query_weight(step_of(t, t + 1)) for t in range(first, total)], 1)
             _, mass, seen_by = attention.masked_with_weights(
-                q[:, :, first - seen:], keys, values, torch.arange(first, total)[None], positions, weight,
+                q[:, :, first - seen:], keys, None, torch.arange(first, total)[None], positions, weight,
                 outputs=False)
     q = q[:, :, -step.num_tokens:]
     c = Candidates(keys, values, positions, stats, q, step, mass, seen_by)
@@ -273,11 +285,10 @@ def _add_prompt_mass(state: LayerState, policy, q: torch.Tensor, work: Work, isa
     if not listened.numel():
         return
     columns = list(range(-(-total // N)))
-    keys, values = read(kv_cache, work.table[columns], isa)
-    keys, values = keys[:, :total].float()[None], values[:, :total].float()[None]
+    keys = read(kv_cache, work.table[columns][None], isa)[:, :, :total].float()
     k_pos = torch.arange(total)[None, None].expand(1, Hp, total)
     q_pos = (seen + listened)[None]
-    _, mass, seen_by = attention.masked_with_weights(q[:, :, listened], keys, values, q_pos, k_pos,
+    _, mass, seen_by = attention.masked_with_weights(q[:, :, listened], keys, None, q_pos, k_pos,
                                                      chunk[listened][None], outputs=False)
     state.mass[:, :total] += mass[0]
     state.seen[:, :total] += seen_by[0]

@@ -252,7 +252,8 @@ def test_block_contents_read_back_as_the_kernel_wrote_them():
         k, v = (torch.randn(2 * BLOCK, heads, head_dim, generator=g).to(dtype) for _ in range(2))
         ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, torch.arange(2 * BLOCK) + BLOCK, "vec",
                                        k_scale=1.0, v_scale=1.0, kv_cache_dtype="auto")
-        keys, values = read(cache, torch.tensor([2, 1]), "vec")  # blocks 2 then 1: tokens 32-63 then 0-31
+        blocks = torch.tensor([2, 1])  # tokens 32-63, then 0-31
+        keys, values = read(cache, blocks, "vec"), read(cache, blocks, "vec", values=True)
         order = torch.cat((torch.arange(BLOCK, 2 * BLOCK), torch.arange(BLOCK)))
         assert torch.equal(keys, k[order].transpose(0, 1))
         assert torch.equal(values, v[order].transpose(0, 1))
