@@ -16,7 +16,7 @@ max - min) of the candidate (a, b) pairs, min-max included, whose codes reconstr
 the least squared error (ties: the earlier candidate, min-max first); elements outside it take
 code 0 or 2^bits - 1. The codes and their meaning are unchanged (q * scale + zero), so the error
 is never above min-max's, but an element may then come back further than scale / 2 from itself.
-On the bundled model's 2-bit keys this halves the error (docs/quantized.md).
+On the bundled model's 2-bit per-channel key groups this halves the error (docs/quantized.md).
 
 Packing: ``8 // bits`` codes share a byte; element ``per * i + j`` of a row sits in bits
 ``[j * bits, (j + 1) * bits)`` of byte i (int4: element 2i in the low nibble).
@@ -28,19 +28,19 @@ import torch
 
 BITS = (2, 4, 8)
 FP16_MAX = 65504.0
-# Clipped-range candidates for keys (fraction of the range cut off below, above) per code width;
-# min-max, (0, 0), is always tried first. Widths not listed, and values at every width, quantize
-# over the min-max range: clipping 2-bit values too halved their error but cost agreement
-# (docs/quantized.md).
-_CUTS = (0.0, 0.05, 0.1, 0.15, 0.2, 0.25, 0.3)
+# Clipped-range candidates for per-channel key groups (KIVI; fraction of the range cut off below,
+# above) per code width; min-max, (0, 0), is always tried first. Widths not listed, keys per token
+# and values quantize over the min-max range: clipping 2-bit values too halved their error but
+# cost agreement, and finer cuts cost prefill time (docs/quantized.md).
+_CUTS = (0.0, 0.1, 0.2, 0.3)
 KEY_CLIP: dict[int, tuple[tuple[float, float], ...]] = {
     2: tuple((a, b) for a in _CUTS for b in _CUTS if a or b),
 }
 
 
 def key_clip(bits: int) -> tuple[tuple[float, float], ...]:
-    """The clipped ranges a storage of ``bits``-bit codes searches for keys (``KEY_CLIP``; empty:
-    min-max)."""
+    """The clipped ranges a storage of ``bits``-bit codes searches for per-channel key groups
+    (``KEY_CLIP``; empty: min-max)."""
     return KEY_CLIP.get(bits, ())
 
 

@@ -308,27 +308,22 @@ def test_clipped_ranges_reconstruct_no_worse_than_min_max(bits, dim):
     assert torch.equal(quantize(x[:, :, :40], bits, 2, clip=clip)[1], sv) and bool((qv[:, :, 40:] == 0).all())
 
 
-def test_storages_encode_keys_with_their_widths_clipped_ranges():
-    """2-bit storages search the clipped ranges of ``KEY_CLIP`` for keys (per token, and KIVI's
-    per-channel groups); values, and 4- and 8-bit keys, are quantized over min-max, as before."""
+def test_kivi_seals_2_bit_key_groups_in_clipped_ranges():
+    """2-bit KIVI key groups are quantized per channel over the clipped ranges of ``KEY_CLIP``;
+    keys per token and values, and 4- and 8-bit key groups, over min-max, as before."""
     assert key_clip(8) == key_clip(4) == () and key_clip(2) == KEY_CLIP[2] != ()
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(1, 2, 3, 16, generator=g).to(DEVICE)
-    for name in ("int2", "token2", "int4", "int8"):
-        store = make_storage(spec(storage=name))
-        assert store.key_clip == key_clip(store.bits)
-        assert all(torch.equal(a, b) for a, b in zip(store.encode(x), encode_tokens(x, store.bits, 16)))
-        assert all(torch.equal(a, b) for a, b in zip(store.encode_keys(x), encode_tokens(x, store.bits, 16, store.key_clip)))
-        # A write stores those codes.
-        store.write_slice(0, x, x, torch.arange(3, device=DEVICE)[None])
-        assert torch.equal(store.v[:, :, :3], store.encode(x)[0]) and torch.equal(store.k[:, :, :3], store.encode_keys(x)[0])
-    store = make_storage(spec(D=16, C=64, storage="kivi2/16"))
-    k = torch.randn(1, 2, 16, 16, generator=g).to(DEVICE) * torch.linspace(0.5, 3, 16).to(DEVICE)
-    v = torch.randn(1, 2, 16, 16, generator=g).to(DEVICE)
-    store.write_slice(0, k, v, torch.arange(16, device=DEVICE)[None])
-    q, scale, zero = quantize(k, 2, 2, clip=KEY_CLIP[2])
-    assert torch.equal(store.k_channel[:, :, 0], torch.cat((scale, zero), 2))
-    assert torch.equal(unpack(store.k[:, :, :16], 2), q)
+    for bits in (2, 4):
+        store = make_storage(spec(D=16, C=64, storage=f"kivi{bits}/16"))
+        assert store.key_clip == key_clip(bits)
+        k = torch.randn(1, 2, 17, 16, generator=g).to(DEVICE) * torch.linspace(0.5, 3, 16).to(DEVICE)
+        v = torch.randn(1, 2, 17, 16, generator=g).to(DEVICE)
+        store.write_slice(0, k, v, torch.arange(17, device=DEVICE)[None])
+        q, scale, zero = quantize(k[:, :, :16], bits, 2, clip=key_clip(bits))
+        assert torch.equal(store.k_channel[:, :, 0], torch.cat((scale, zero), 2))
+        assert torch.equal(unpack(store.k[:, :, :16], bits), q)
+        assert torch.equal(store.v[:, :, :17], encode_tokens(v, bits, 16)[0])
+        assert torch.equal(store.k[:, :, 16], encode_tokens(k[:, :, 16], bits, 16)[0])
 
 
 @pytest.mark.parametrize("name", QUANTIZED + ["token4/8"])

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ...quant.codes import encode_tokens, pack, quantize, unpack
+from ...quant.codes import encode_tokens, key_clip, pack, quantize, unpack
 from ...quant.packed import CHANNEL, RESIDUAL, TOKEN, PackedKeys, PackedValues, after
 from ..base import CacheSpec
 from .token import TokenStorage, _encode_pair, _stackable
@@ -81,6 +81,9 @@ class KiviStorage(TokenStorage):
         B, H, C, D = spec.batch_size, spec.num_kv_heads, spec.cache_length, spec.head_dim
         dev = spec.device
         self.key_group = group
+        # Clipped ranges searched when a group of keys is quantized per channel (quant/codes.py;
+        # none: min-max). Keys per token and values are quantized over their min-max range.
+        self.key_clip = key_clip(bits)
         self.k_meta = torch.zeros(B, H, C + 1, 2, dtype=torch.float16, device=dev)
         self.k_channel = torch.zeros(B, H, C // group + 1, 2, D, dtype=torch.float16, device=dev)
         self.k_residual = torch.zeros(B, H, group, D, dtype=spec.dtype, device=dev)
@@ -118,7 +121,7 @@ class KiviStorage(TokenStorage):
 
     def encode_keys(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token key codes (the TOKEN layout): one group of channels per token and head."""
-        return encode_tokens(k, self.bits, self.head_dim, self.key_clip)
+        return encode_tokens(k, self.bits, self.head_dim)
 
     def roundtrip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The new tokens as an evicting cache's chunk attends them before placing them: values as
@@ -131,8 +134,8 @@ class KiviStorage(TokenStorage):
 
     def _encoded(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
         vr = self._reuse(v, 1)
-        if vr is None and self.group == self.head_dim and not self.key_clip and _stackable(k, v):
-            # Keys per token and values share one group of channels and min-max: one call for both.
+        if vr is None and self.group == self.head_dim and _stackable(k, v):
+            # Keys per token and values share one group of channels: one call for both.
             return _encode_pair(self.encode_keys, k, v)
         kq, km = self.encode_keys(k)
         vq, vm = vr or self.encode(v)
@@ -326,7 +329,7 @@ class KiviStorage(TokenStorage):
             grp = (idx[..., j0:j1] // G).clamp(max=self.k_channel.shape[2] - 1)  # (B, H, n) source groups
             meta = self.k_channel.gather(2, grp[..., None, None].expand(B, H, j1 - j0, 2, D)).float()
             x = unpack(self.k[:, :, j0:j1], self.bits).float() * meta[..., 0, :] + meta[..., 1, :]
-            codes, km = encode_tokens(x, self.bits, D, self.key_clip)
+            codes, km = encode_tokens(x, self.bits, D)
             self.k[:, :, j0:j1] = torch.where(m[..., None], codes, self.k[:, :, j0:j1])
             self.k_meta[:, :, j0:j1] = torch.where(m[..., None], km, self.k_meta[:, :, j0:j1])
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ...quant.codes import decode_tokens, encode_tokens, key_clip
+from ...quant.codes import decode_tokens, encode_tokens
 from ...quant.packed import PackedKeys, PackedValues, after
 from ..base import CacheSpec
 
@@ -54,9 +54,6 @@ class TokenStorage:
     def __init__(self, spec: CacheSpec, bits: int, per_head: bool = False, group: int | None = None) -> None:
         B, H, C, D = spec.batch_size, spec.num_kv_heads, spec.cache_length, spec.head_dim
         self.bits, self.group, self.dtype, self.head_dim = bits, D if group is None else group, spec.dtype, D
-        # Clipped ranges searched when a key is encoded (quant/codes.py; none: min-max). Values
-        # are always quantized over their min-max range.
-        self.key_clip = key_clip(bits)
         dev = spec.device
         self.k = torch.zeros(B, H, C + 1, D * bits // 8, dtype=torch.uint8, device=dev)
         self.v = torch.zeros_like(self.k)
@@ -68,13 +65,13 @@ class TokenStorage:
 
     # ----- codes -------------------------------------------------------------------------------
     def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Values x: (B, H, T, D) -> codes (B, H, T, D * bits / 8) uint8, meta (B, H, T, 2 * D / group)
+        """x: (B, H, T, D) -> codes (B, H, T, D * bits / 8) uint8, meta (B, H, T, 2 * D / group)
         fp16, over each group's min-max range."""
         return encode_tokens(x, self.bits, self.group)
 
     def encode_keys(self, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys as ``encode``, each group's range chosen among ``key_clip``'s clipped ones."""
-        return encode_tokens(k, self.bits, self.group, self.key_clip)
+        """Per-token key codes: as values' (``encode``)."""
+        return self.encode(k)
 
     def decode(self, codes: torch.Tensor, meta: torch.Tensor) -> torch.Tensor:
         """Inverse of ``encode``: (B, H, T, D) at the model's dtype."""
@@ -96,7 +93,7 @@ class TokenStorage:
     def _encoded(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The new tokens' (k codes, v codes, k meta, v meta), in the order of ``_buffers``."""
         kr, vr = self._reuse(k, 0), self._reuse(v, 1)
-        if kr is None and vr is None and not self.key_clip and _stackable(k, v):
+        if kr is None and vr is None and _stackable(k, v):
             return _encode_pair(self.encode, k, v)
         kq, km = kr or self.encode_keys(k)
         vq, vm = vr or self.encode(v)
