@@ -164,43 +164,24 @@ def test_per_request_options_equal_kvcache_with_those_options(tmp_path):
     assert want != kvcache_tokens(path, ENGINE_CONFIG, prompt_ids, NEW_TOKENS)
 
 
-def test_a_preempted_request_resumes_with_the_same_tokens(tmp_path):
-    """KV memory for 12 blocks, priority scheduling: two low-priority requests generate past
+@pytest.mark.parametrize("policy, blocks", [("sink", 12), ("h2o", 14), ("snapkv-tova", 14)])
+def test_a_preempted_request_resumes_with_the_same_tokens(tmp_path, policy, blocks):
+    """KV memory for 12 (14) blocks, priority scheduling: two low-priority requests generate past
     their budget, then four high-priority ones arrive and grow; vLLM preempts the low-priority
     ones (recompute) and runs them again later. Every request's tokens are those of kvcache's own
     model, uninterrupted: when a request recomputes its generated tokens, each token reads what it
     read when it was first generated (attending a recomputed chunk as one sequence over the
-    blocks kept before it gives other tokens here). No request exceeds its budget."""
-    config = POLICIES["sink"]
-    path = build("llama", tmp_path / "llama")
-    g = torch.Generator().manual_seed(2)
-    prompt_ids = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (100, 90, 40, 44, 48, 52)]
-    arrivals = [(0, 1), (0, 1), (60, 0), (60, 0), (60, 0), (60, 0)]
-    llm = engine(path, config, max_model_len=256, kv_cache_memory_bytes=12 * BLOCK_BYTES, max_num_seqs=6,
-                 scheduling_policy="priority")
-    try:
-        got, preempted = run_stepwise(llm, prompt_ids, new_tokens=100, arrivals=arrivals)
-    finally:
-        close(llm)
-    assert preempted > 0
-    want = kvcache_tokens(path, config, prompt_ids, 100)
-    assert got == want
-    assert want != kvcache_tokens(path, None, prompt_ids, 100)
-
-
-@pytest.mark.parametrize("policy", ["h2o", "snapkv-tova"])
-def test_a_preempted_request_under_a_scoring_policy_resumes_with_the_same_tokens(tmp_path, policy):
-    """The preemption above under scoring policies (h2o: attention summed over every step;
-    snapkv then tova: the newest query's attention when a block goes). A recompute chunk runs in
-    parts, each one's blocks moved before the next reads them, and its generated tokens are
-    scored one by one as they were first computed: every request's tokens are kvcache's,
-    uninterrupted."""
+    blocks kept before it gives other tokens here). Under a scoring policy (h2o: attention summed
+    over every step; snapkv then tova: the newest query's attention when a block goes) a
+    recompute chunk runs in parts, each one's blocks moved before the next reads them, and its
+    generated tokens are scored one by one as they were first computed. No request exceeds its
+    budget."""
     config = POLICIES[policy]
     path = build("llama", tmp_path / "llama")
     g = torch.Generator().manual_seed(2)
     prompt_ids = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (100, 90, 40, 44, 48, 52)]
     arrivals = [(0, 1), (0, 1), (60, 0), (60, 0), (60, 0), (60, 0)]
-    llm = engine(path, config, max_model_len=256, kv_cache_memory_bytes=14 * BLOCK_BYTES, max_num_seqs=6,
+    llm = engine(path, config, max_model_len=256, kv_cache_memory_bytes=blocks * BLOCK_BYTES, max_num_seqs=6,
                  scheduling_policy="priority")
     try:
         got, preempted = run_stepwise(llm, prompt_ids, new_tokens=100, arrivals=arrivals)
