@@ -5,7 +5,8 @@ quantized storage's ``view`` returns) to ``attend`` and ``decode`` here, with th
 they take. A decode step on CUDA runs the Triton kernel (triton_decode.py) when Triton is
 installed; everything else, and CUDA without Triton, runs the blocked PyTorch path (blocked.py).
 Triton is imported only when a CUDA decode step first needs it; set ``KVCACHE_TRITON=0`` to keep
-the blocked path on CUDA.
+the blocked path on CUDA. A chunk whose queries read every slot alike attends them decoded a block
+at a time through the fused kernel instead (``attend_decoded``, fused.py).
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import torch
 
 from ..quant.packed import CHANNEL, RESIDUAL, TOKEN, PackedKeys, PackedValues
 from . import blocked
+from .fused import attend_decoded
 from .visibility import visibility
 
-__all__ = ["CHANNEL", "RESIDUAL", "TOKEN", "PackedKeys", "PackedValues", "attend", "decode", "is_packed"]
+__all__ = ["CHANNEL", "RESIDUAL", "TOKEN", "PackedKeys", "PackedValues", "attend", "attend_decoded", "decode", "is_packed"]
 
 _triton_module = None
 _triton_checked = False

@@ -18,7 +18,7 @@ from kvcache.cache.storages.token import TokenStorage
 from kvcache.cache.storage import STORAGES, in_place, make_storage, parse_storage
 from kvcache.cache.storages.full import FullStorage
 from kvcache.cli import main
-from kvcache.kernels import CHANNEL, RESIDUAL, TOKEN, PackedKeys, PackedValues
+from kvcache.kernels import CHANNEL, RESIDUAL, TOKEN, PackedKeys, PackedValues, fused
 from policy_util import check_storage, feed, feed_alone, ids_for, max_diff
 from conftest import DEVICE
 
@@ -650,7 +650,7 @@ def test_buffers_name_every_tensor_a_storage_holds(llama, name):
     assert storage.nbytes() == sum(t.numel() * t.element_size() for t in storage.buffers().values())
 
 
-@pytest.mark.parametrize("case", ["fresh", "after_open_group", "ragged", "window", "query_blocks"])
+@pytest.mark.parametrize("case", ["fresh", "after_open_group", "ragged", "window", "query_blocks", "key_blocks"])
 def test_kivi_chunk_attention_equals_reading_the_codes(case, monkeypatch):
     """``attend_chunk`` (decoded slots, staged groups, fused attention) gives what the packed
     kernel computes over the same slots, query by query as each reads them at its position;
@@ -660,8 +660,11 @@ def test_kivi_chunk_attention_equals_reading_the_codes(case, monkeypatch):
     gen = torch.Generator().manual_seed(3)
     store = KiviStorage(spec(D=D, H=H, C=C, B=B, storage=f"kivi4/{G}"), 4, False, G)
     window = 6 if case == "window" else None
-    if case == "query_blocks":  # several fused calls, their blocks cutting across key groups
+    if case in ("query_blocks", "key_blocks"):  # several fused calls, their blocks cutting across key groups
         monkeypatch.setattr(kivi_module, "CHUNK_QUERIES", 3)
+    if case == "key_blocks":  # the slots decoded a key group at a time, each query block folding them
+        monkeypatch.setattr(fused, "BLOCK_BYTES", 1)
+        monkeypatch.setattr(fused, "MIN_BLOCK", 1)
 
     def write(start: int, T: int, n: list[int]) -> None:
         k = torch.randn(B, H, T, D, generator=gen).to(DEVICE) * torch.linspace(0.2, 3, D, device=DEVICE)

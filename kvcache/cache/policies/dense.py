@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ... import attention
+from ... import attention, kernels
 from ..base import CacheSpec, LayerCache, Step, capacity_error
 from ..storage import make_storage
 
@@ -54,7 +54,9 @@ class DenseCache(LayerCache):
         span = step.span_end
         ks, vs, pos = store.view(span)
         if readback and store.packed:
-            ks, vs = ks.decoded(), vs.decoded()
+            # The stored slots decoded a block at a time, each through the fused kernel: never a
+            # full-precision copy of the whole cache.
+            return kernels.attend_decoded(q, ks, vs, step.positions, pos, window=self.spec.sliding_window)
         # A one-token step over a uniformly filled cache sees every slot, unless a model window cuts it.
         all_visible = step.uniform and T == 1 and (self.spec.sliding_window is None or span <= self.spec.sliding_window)
         return attention.masked(q, ks, vs, step.positions, pos, window=self.spec.sliding_window, all_visible=all_visible)

@@ -17,8 +17,8 @@ time a key's codes are computed from codes.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from ...kernels import fused
 from ...quant.codes import encode_tokens, key_clip, pack, quantize, unpack
 from ...quant.packed import CHANNEL, RESIDUAL, TOKEN, PackedKeys, PackedValues, after
 from ..base import CacheSpec
@@ -377,82 +377,75 @@ class KiviStorage(TokenStorage):
                      window: int | None) -> torch.Tensor:
         """Attention of a chunk just written in slot order (slot s holds position s, as a dense
         cache writes), each query reading the slots as it would at its position, exactly as the
-        packed kernel reads them (``PackedKeys``), but over decoded tensors with the fused kernel.
+        packed kernel reads them (``PackedKeys``), but over decoded slots with the fused kernel,
+        a block of slots at a time (kernels/fused.py), so no full-precision copy of the cache is held.
 
         q: (B, Hq, T, D) at q_pos (B, T); the first ``n_tokens[b]`` (CPU) of row b are real;
         ``window``: the model's sliding window. Returns (B, Hq, T, D), zero at padding.
 
         A query reads every slot as it is now (groups quantized per channel once complete, the
         open group at full precision), except the group it belongs to when this write completed
-        that group after it: that group's keys and values were still full precision (staged),
-        so the query attends the slots before its group, decoded, followed by its group's staged
-        copy. One call per such group and one for every other query, instead of one pass of the
-        packed kernel over every slot for every query.
+        that group after it: that group's keys and values were still full precision (staged).
+        Every slot is read as it is now by the queries at or after its group's seal (the
+        position whose token completed the group in this write; every query, for a group not
+        completed by it), and from its staged copy by the queries of its group before the seal:
+        the copies are appended as extra keys to the last block a query block reads, under a
+        mask of those two rules. Rows that differ in positions or staging go one at a time.
         """
-        B, T = q_pos.shape
+        B = q_pos.shape[0]
         span = int((q_pos[:, 0].cpu() + n_tokens).max())
         keys, values, k_pos = self.view(span)
-        kc, vc = keys.decoded(), values.decoded()
-        out = torch.zeros_like(q)
         staged = self._staged
         starts = q_pos[:, 0].cpu()
         uniform = bool((starts == starts[0]).all() and (n_tokens == n_tokens[0]).all())
-        rows = [slice(None)] if uniform and (staged is None or bool((staged[2] == staged[2][:1]).all())) else \
+        rows = [slice(0, B)] if uniform and (staged is None or bool((staged[2] == staged[2][:1]).all())) else \
             [slice(b, b + 1) for b in range(B)]
-        for r in rows:
-            n = int(n_tokens[r].max())
-            if n == 0:
-                continue
-            sub_staged = None if staged is None else tuple(x[r] for x in staged)
-            out[r, :, :n] = self._attend_rows(q[r, :, :n], q_pos[r, :n], kc[r], vc[r], k_pos[r], sub_staged, window)
-        return out
+        reads = [(r, int(n_tokens[r].max()), *self._staged_reads(r, span, q.device)) for r in rows]
+        blocks = fused.slot_blocks(keys, span, q, self.key_group)
+        fold = fused.Fold(q, len(blocks))
+        for i, (s0, s1) in enumerate(blocks):
+            kb, vb = keys.decode(s0, s1), values.decode(s0, s1)
+            for r, n, seal, copies in reads:
+                pos_r = k_pos[r.start, 0]
+                for t0 in range(0, n, CHUNK_QUERIES):
+                    t1 = min(n, t0 + CHUNK_QUERIES)
+                    p = q_pos[r.start, t0:t1, None]  # (n, 1): the block's positions, shared by the rows
+                    newest = int(p.max())
+                    if s0 > newest:
+                        continue  # slot s holds position s: later slots are unseen
+                    e = min(s1, newest + 1)
+                    pos = pos_r[s0:e]
+                    visible = (pos >= 0) & (pos <= p) & (p >= seal[s0:e])
+                    kr, vr = kb[r, :, : e - s0], vb[r, :, : e - s0]
+                    if copies is not None and (s1 > newest or i == len(blocks) - 1):
+                        # The last block this query block reads carries the staged copies.
+                        slots, ks, vs = copies
+                        c_pos = pos_r[slots]
+                        kr, vr = torch.cat((kr, ks), dim=2), torch.cat((vr, vs), dim=2)
+                        visible = torch.cat((visible, (c_pos <= p) & (p < seal[slots])), dim=1)
+                        pos = torch.cat((pos, c_pos))
+                    if window is not None:
+                        visible &= pos > p - window
+                    fold.add(r, t0, t1, kr, vr, visible.expand(kr.shape[0], 1, *visible.shape))
+        return fold.out()
 
-    def _attend_rows(self, q, q_pos, kc, vc, k_pos, staged, window) -> torch.Tensor:
-        """``attend_chunk`` for rows that share their positions and what the write staged.
-
-        Every slot is read as it is now by the queries at or after its group's seal (the
-        position whose token completed the group in this write; every query, for a group not
-        completed by it), and from its staged copy by the queries of its group before the seal.
-        The copies are appended to the slots as extra keys, and each block of ``CHUNK_QUERIES``
-        queries is one fused call under a (queries x keys) mask of those two rules.
-        """
-        T, H = q.shape[2], kc.shape[1]
-        span = kc.shape[2]
-        dev = q.device
-        # Per slot, where this write staged its group: from which position it is read as it is now.
+    def _staged_reads(self, r: slice, span: int, dev: torch.device):
+        """For rows ``r``, which share what the last write staged: per slot of [0, span), the
+        position from which it is read as it is now (seal; -1: always), and the staged copies
+        (slots, keys, values: (b, Hkv, n, D) at the model's dtype) or None."""
         seal = torch.full((span,), -1, dtype=torch.long, device=dev)
-        copies = None
-        if staged is not None:
-            stage_k, stage_v, stage_of, seal_pos = staged
-            NB = stage_of.shape[1]
-            group = torch.arange(span, device=dev) // self.key_group
-            entry = torch.where(group < NB, stage_of[0, group.clamp(max=NB - 1)], -1)
-            seal = torch.where(entry >= 0, seal_pos[0, group.clamp(max=NB - 1)], -1)
-            slots = (entry >= 0).nonzero().flatten()
-            e, off = entry[slots], slots % self.key_group
-            copies = (slots, stage_k[:, :, e, off].to(kc.dtype), stage_v[:, :, e, off].to(vc.dtype))
-        out = torch.empty_like(q)
-        for t0 in range(0, T, CHUNK_QUERIES):
-            t1 = min(T, t0 + CHUNK_QUERIES)
-            p = q_pos[0, t0:t1, None]  # (n, 1): the block's positions, shared by the rows
-            hi = min(span, int(p.max()) + 1)  # slot s holds position s: later slots are unseen
-            pos = k_pos[0, 0, :hi]
-            visible = (pos >= 0) & (pos <= p) & (p >= seal[:hi])
-            keys, values = kc[:, :, :hi], vc[:, :, :hi]
-            if copies is not None:
-                slots, ks, vs = copies
-                # A copy is read only by queries of its own group: those of this block's groups.
-                take = (slots < hi) & (slots >= int(p.min()) // self.key_group * self.key_group)
-                c_pos = k_pos[0, 0, slots[take]]
-                keys = torch.cat((keys, ks[:, :, take]), dim=2)
-                values = torch.cat((values, vs[:, :, take]), dim=2)
-                visible = torch.cat((visible, (c_pos <= p) & (p < seal[slots[take]])), dim=1)
-                pos = torch.cat((pos, c_pos))
-            if window is not None:
-                visible &= pos > p - window
-            out[:, :, t0:t1] = F.scaled_dot_product_attention(
-                q[:, :, t0:t1], keys, values, attn_mask=visible, enable_gqa=q.shape[1] != H)
-        return out
+        if self._staged is None:
+            return seal, None
+        stage_k, stage_v, stage_of, seal_pos = (x[r] for x in self._staged)
+        NB = stage_of.shape[1]
+        group = torch.arange(span, device=dev) // self.key_group
+        entry = torch.where(group < NB, stage_of[0, group.clamp(max=NB - 1)], -1)
+        seal = torch.where(entry >= 0, seal_pos[0, group.clamp(max=NB - 1)], -1)
+        slots = (entry >= 0).nonzero().flatten()
+        if slots.numel() == 0:
+            return seal, None
+        e, off = entry[slots], slots % self.key_group
+        return seal, (slots, stage_k[:, :, e, off].to(self.dtype), stage_v[:, :, e, off].to(self.dtype))
 
     def reset(self) -> None:
         super().reset()

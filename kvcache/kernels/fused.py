@@ -1,0 +1,118 @@
+"""A chunk's attention over packed slots decoded one block at a time, through the fused kernel.
+
+A chunk whose queries read every stored slot as its codes mean (per-token codes, where a token's
+bits do not depend on its slot; KIVI as ``KiviStorage.attend_chunk`` arranges it) can attend the
+decoded slots with the fused kernel (SDPA) rather than over the codes, at dense attention's cost.
+Decoding the whole span first would hold a full-precision copy of the layer's stored cache, as
+large as a dense cache, for as long as the chunk runs. Here each block of slots is decoded,
+attended by every query of the chunk, and folded into the running output by the block's
+log-sum-exp, which the CPU's fused kernel returns beside its output: what is held at once
+follows the block (``BLOCK_BYTES``), not the cache.
+
+Off the CPU the span is one block (the log-sum-exp kernel used here is the CPU's), as it is on
+the CPU when it fits in one, and for queries that carry a gradient: one fused call per query
+block, with nothing to fold.
+
+Shapes: B rows, Hq query heads, Hkv K/V heads (G = Hq // Hkv), T queries, S slots, D head_dim.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..quant.packed import PackedKeys, PackedValues
+from .visibility import visibility
+
+# Decoded keys and values (float32 reckoning) held at once: 1024 slots of 8 K/V heads of 128
+# channels. One layer of that geometry at 32k tokens holds 256 MiB of decoded slots otherwise.
+BLOCK_BYTES = 2**23
+# Fewest slots per block (small heads would otherwise make many tiny fused calls).
+MIN_BLOCK = 256
+# Queries whose (queries x slots) mask and scores exist at a time.
+QUERY_BLOCK = 1024
+
+
+def slot_blocks(keys: PackedKeys, span: int, q: torch.Tensor, group: int = 0) -> list[tuple[int, int]]:
+    """Slot ranges covering [0, span) of ``keys``' rows, each holding at most about
+    ``BLOCK_BYTES`` decoded, a multiple of ``group`` slots (KIVI's key groups) when given.
+    One block for queries ``q`` that carry a gradient (chunked training): the kernel's
+    log-sum-exp carries none, so blocks could not be folded differentiably."""
+    B, H, _, D = keys.codes.shape[0], keys.codes.shape[1], keys.slots, keys.head_dim
+    if keys.device.type != "cpu" or span == 0 or (q.requires_grad and torch.is_grad_enabled()):
+        return [(0, span)]
+    step = max(MIN_BLOCK, BLOCK_BYTES // (2 * 4 * B * H * D))
+    if group:
+        step = max(group, step // group * group)
+    return [(s, min(s + step, span)) for s in range(0, span, step)]
+
+
+class Fold:
+    """Queries' outputs over blocks of keys attended apart: per (rows, query range), the
+    running output (float32) and log-sum-exp, combined as each block is added.
+
+    q: (B, Hq, T, D). With ``blocks == 1`` nothing is folded: ``add`` keeps the fused call's
+    output as it is (the same numbers as one call over every slot).
+    """
+
+    def __init__(self, q: torch.Tensor, blocks: int) -> None:
+        self.q = q
+        self.single = blocks == 1
+        # (rows, t0, t1) -> (out (b, Hq, n, D), lse (b, Hq, n) or None). Updated by replacement,
+        # never in place, so gradients flow to q (chunked training over per-token storages).
+        self.parts: dict[tuple[int, int, int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+    def add(self, rows: slice, t0: int, t1: int, k: torch.Tensor, v: torch.Tensor, vis: torch.Tensor) -> None:
+        """Fold in queries [t0, t1) of ``rows`` over one block: k, v (b, Hkv, m, D) decoded,
+        vis (b, 1 or Hkv, n, m) bool, which keys each query may see."""
+        q = self.q[rows, :, t0:t1]
+        G = q.shape[1] // k.shape[1]
+        if vis.shape[1] > 1 and G > 1:
+            vis = vis.repeat_interleave(G, dim=1)  # per K/V head -> per query head
+        key = (rows.start, rows.stop, t0, t1)
+        if self.single:
+            self.parts[key] = (F.scaled_dot_product_attention(q, k, v, attn_mask=vis, enable_gqa=G > 1), None)
+            return
+        seen = vis.any(-1)  # (b, 1 or Hq, n)
+        if not bool(seen.any()):
+            return
+        bias = torch.zeros(vis.shape, dtype=q.dtype, device=q.device).masked_fill_(~vis, float("-inf"))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias)
+        # A query that sees no key of the block gets output 0 and log-sum-exp 0 from the kernel:
+        # it must weigh nothing.
+        lse = lse.masked_fill(~seen.expand_as(lse), float("-inf"))
+        out = out.float()
+        if key not in self.parts:
+            self.parts[key] = (out, lse)
+            return
+        acc, acc_lse = self.parts[key]
+        total = torch.logaddexp(acc_lse, lse)
+        safe = total.masked_fill(torch.isinf(total), 0.0)  # rows that have seen nothing yet
+        acc = acc * (acc_lse - safe).exp().unsqueeze(-1) + out * (lse - safe).exp().unsqueeze(-1)
+        self.parts[key] = (acc, total)
+
+    def out(self) -> torch.Tensor:
+        """(B, Hq, T, D) at q's dtype; 0 where no query saw a key (padding)."""
+        out = torch.zeros_like(self.q)
+        for (r0, r1, t0, t1), (acc, _) in self.parts.items():
+            out[r0:r1, :, t0:t1] = acc.to(out.dtype)
+        return out
+
+
+def attend_decoded(q: torch.Tensor, k: PackedKeys, v: PackedValues, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                   *, window: int | None = None) -> torch.Tensor:
+    """``attention.masked(q, k.decoded(), v.decoded(), q_pos, k_pos, window=window)`` without
+    decoding the views whole: for views whose slots every query reads alike (per-token codes).
+
+    q: (B, Hq, T, D); q_pos: (B, T); k_pos: (B, Hp, S) -> (B, Hq, T, D).
+    """
+    T = q.shape[2]
+    blocks = slot_blocks(k, k.slots, q)
+    fold = Fold(q, len(blocks))
+    rows = slice(0, q.shape[0])
+    for s0, s1 in blocks:
+        kb, vb = k.decode(s0, s1), v.decode(s0, s1)
+        for t0 in range(0, T, QUERY_BLOCK):
+            t1 = min(t0 + QUERY_BLOCK, T)
+            fold.add(rows, t0, t1, kb, vb, visibility(q_pos[:, t0:t1], k_pos[..., s0:s1], window))
+    return fold.out()
