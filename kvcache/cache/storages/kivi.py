@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ...kernels import fused
-from ...quant.codes import encode_tokens, key_clip, pack, quantize, unpack
+from ...quant.codes import KEY_TOKEN_SCALE, VALUE_GROUPS, encode_tokens, key_clip, pack, quantize, quantize_scaled, unpack
 from ...quant.packed import CHANNEL, RESIDUAL, TOKEN, PackedKeys, PackedValues, after
 from ..base import CacheSpec
 from .token import TokenStorage, _encode_pair, _stackable
@@ -27,8 +27,10 @@ from .token import TokenStorage, _encode_pair, _stackable
 
 # Queries per fused call of ``KiviStorage.attend_chunk``: their mask (queries x slots) stays small.
 CHUNK_QUERIES = 256
-# The per-token scale of a key kept per channel: its per-token meta is never read, so the mark
-# (scales are never negative) says the slot's mode instead of a mode byte per slot.
+# The per-token scale of a key kept per channel: its per-token meta is never read as such, so a
+# negative scale (scales are never negative) says the slot's mode instead of a mode byte per slot.
+# It is the negated scale of the key on top of its group's per channel (``quantize_scaled``), at
+# widths that take one (``KEY_TOKEN_SCALE``), else this mark: a factor of 1.
 CHANNEL_MARK = -1.0
 
 
@@ -37,8 +39,11 @@ class KiviStorage(TokenStorage):
     consecutive slots, with a full-precision residual (module docstring).
 
     k, v, k_meta, v_meta, pos: as ``TokenStorage``; ``k_meta`` holds each key's per-token scale
-                  and zero point (one group of channels), used by slots in TOKEN mode, and
-                  ``CHANNEL_MARK`` for a key kept per channel.
+                  and zero point (one group of channels), used by slots in TOKEN mode; for a
+                  key kept per channel, minus its scale on top of the group's (2-bit keys,
+                  ``quant/codes.py`` ``quantize_scaled``) or ``CHANNEL_MARK`` (a factor of 1).
+                  Values are per token in ``VALUE_GROUPS`` groups of channels (2 bits: 4, when
+                  head_dim allows), else one.
     k_mode:       (B, Hkv, C + 1) uint8, derived (``modes``), not stored: RESIDUAL for the
                   slots of each row's open group, CHANNEL where ``k_meta`` holds the mark,
                   TOKEN elsewhere (quant/packed.py). Values of RESIDUAL slots are read at full
@@ -76,14 +81,16 @@ class KiviStorage(TokenStorage):
         return cls(spec, bits, per_head, group or cls.default_group)
 
     def __init__(self, spec: CacheSpec, bits: int, per_head: bool = False, group: int = 64) -> None:
-        # Values stay per token over the whole head (no value group), as KIVI keeps them.
-        super().__init__(spec, bits, per_head)
+        # Values stay per token, in groups of channels at 2 bits (``value_group``), as KIVI keeps them.
+        super().__init__(spec, bits, per_head, self.value_group(bits, spec.head_dim))
         B, H, C, D = spec.batch_size, spec.num_kv_heads, spec.cache_length, spec.head_dim
         dev = spec.device
         self.key_group = group
         # Clipped ranges searched when a group of keys is quantized per channel (quant/codes.py;
         # none: min-max). Keys per token and values are quantized over their min-max range.
         self.key_clip = key_clip(bits)
+        # Whether per-channel keys take a scale per key too (``quantize_scaled``).
+        self.key_token_scale = bits in KEY_TOKEN_SCALE
         self.k_meta = torch.zeros(B, H, C + 1, 2, dtype=torch.float16, device=dev)
         self.k_channel = torch.zeros(B, H, C // group + 1, 2, D, dtype=torch.float16, device=dev)
         self.k_residual = torch.zeros(B, H, group, D, dtype=spec.dtype, device=dev)
@@ -94,6 +101,25 @@ class KiviStorage(TokenStorage):
         # (stage_k, stage_v, stage_of, seal_pos), see PackedKeys. Not state: a view of the
         # next attention call only.
         self._staged: tuple[torch.Tensor, ...] | None = None
+
+    @staticmethod
+    def value_group(bits: int, head_dim: int) -> int | None:
+        """Channels per value group: head_dim / ``VALUE_GROUPS[bits]`` where that fills whole bytes
+        of codes, else None (one group over the head)."""
+        n = VALUE_GROUPS.get(bits, 1)
+        g = head_dim // n
+        return g if n > 1 and head_dim % n == 0 and g * bits % 8 == 0 else None
+
+    def _quantize_keys(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Groups of keys x (..., G, D) per channel: codes, per-channel scale and zero (..., 1, D),
+        and what each key's ``k_meta`` holds (..., G, 2): minus its own scale (2 bits) or the mark."""
+        if self.key_token_scale:
+            q, scale, zero, t = quantize_scaled(x, self.bits, clip=self.key_clip)
+            meta = torch.cat((-t, torch.full_like(t, CHANNEL_MARK)), -1)
+        else:
+            q, scale, zero = quantize(x, self.bits, dim=-2, clip=self.key_clip)
+            meta = torch.full(x.shape[:-1] + (2,), CHANNEL_MARK, dtype=torch.float16, device=x.device)
+        return q, scale, zero, meta
 
     def modes(self, span: int) -> torch.Tensor:
         """Each key's layout in slots [0, span): (B, Hkv, span) uint8 CHANNEL, TOKEN or RESIDUAL."""
@@ -110,9 +136,10 @@ class KiviStorage(TokenStorage):
         return self.modes(self.pos.shape[2])
 
     def _mark_channel(self, where: torch.Tensor, j0: int = 0) -> None:
-        """Mark the keys of slots [j0, j0 + n) where ``where`` (B, Hkv, n) is set as per channel."""
+        """Mark the keys of slots [j0, j0 + n) where ``where`` (B, Hkv, n) is set as per channel
+        (those marked already keep their meta: their own scale)."""
         meta = self.k_meta[:, :, j0 : j0 + where.shape[-1]]
-        meta.copy_(torch.where(where[..., None], CHANNEL_MARK, meta))
+        meta.copy_(torch.where(where[..., None] & (meta[..., :1] >= 0), CHANNEL_MARK, meta))
 
     @property
     def whole_groups(self) -> int:
@@ -200,13 +227,13 @@ class KiviStorage(TokenStorage):
         the row completed its group ``group`` (B,) (``_write_one``)."""
         G, NG, D = self.key_group, self.whole_groups, self.head_dim
         B, H = self.k.shape[:2]
-        q, scale, zero = quantize(self.k_residual, self.bits, dim=2, clip=self.key_clip)
+        q, scale, zero, kmeta = self._quantize_keys(self.k_residual)
         g = group.clamp(max=NG - 1)
         slots = (g[:, None] * G + torch.arange(G, device=g.device))[:, None, :, None]  # (B, 1, G, 1)
         idx = slots.expand(B, H, G, self.k.shape[-1])
         self.k.scatter_(2, idx, torch.where(seal[:, None, None, None], pack(q, self.bits), self.k.gather(2, idx)))
         midx = slots.expand(B, H, G, 2)
-        self.k_meta.scatter_(2, midx, torch.where(seal[:, None, None, None], CHANNEL_MARK, self.k_meta.gather(2, midx)))
+        self.k_meta.scatter_(2, midx, torch.where(seal[:, None, None, None], kmeta, self.k_meta.gather(2, midx)))
         cidx = g[:, None, None, None, None].expand(B, H, 1, 2, D)
         meta = torch.cat((scale, zero), 2).unsqueeze(2)  # (B, H, 1, 2, D)
         self.k_channel.scatter_(2, cidx, torch.where(seal[:, None, None, None, None], meta, self.k_channel.gather(2, cidx)))
@@ -253,12 +280,12 @@ class KiviStorage(TokenStorage):
         """Quantize the staged keys of runs (bs, rs) per channel over their groups and store them."""
         G, dev = self.key_group, self.k.device
         b_idx, g_idx = bs.to(dev), groups.to(dev)
-        q, scale, zero = quantize(stage[b_idx, :, rs.to(dev)], self.bits, dim=2, clip=self.key_clip)  # (n, H, G, D)
+        q, scale, zero, kmeta = self._quantize_keys(stage[b_idx, :, rs.to(dev)])  # (n, H, G, D)
         self.k_channel[b_idx, :, g_idx] = torch.cat((scale, zero), 2)  # (n, H, 2, D)
         slot = g_idx[:, None] * G + torch.arange(G, device=dev)  # (n, G)
         rows = b_idx[:, None].expand_as(slot)
         self.k[rows, :, slot] = pack(q, self.bits).transpose(1, 2)  # (n, G, H, Db)
-        self.k_meta[rows, :, slot] = CHANNEL_MARK
+        self.k_meta[rows, :, slot] = kmeta.transpose(1, 2)  # (n, G, H, 2)
 
     # ----- moves: settle and keep --------------------------------------------------------------
     def settle(self, dst: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
@@ -328,7 +355,9 @@ class KiviStorage(TokenStorage):
                 continue
             grp = (idx[..., j0:j1] // G).clamp(max=self.k_channel.shape[2] - 1)  # (B, H, n) source groups
             meta = self.k_channel.gather(2, grp[..., None, None].expand(B, H, j1 - j0, 2, D)).float()
-            x = unpack(self.k[:, :, j0:j1], self.bits).float() * meta[..., 0, :] + meta[..., 1, :]
+            # (Their own scales, on top of their group's, came with them: minus ``k_meta``'s.)
+            own = -self.k_meta[:, :, j0:j1, :1].float()
+            x = (unpack(self.k[:, :, j0:j1], self.bits).float() * meta[..., 0, :] + meta[..., 1, :]) * own
             codes, km = encode_tokens(x, self.bits, D)
             self.k[:, :, j0:j1] = torch.where(m[..., None], codes, self.k[:, :, j0:j1])
             self.k_meta[:, :, j0:j1] = torch.where(m[..., None], km, self.k_meta[:, :, j0:j1])
@@ -353,9 +382,10 @@ class KiviStorage(TokenStorage):
             x = new_k.gather(2, src[..., j0:j1].clamp(min=0)[..., None].expand(B, H, j1 - j0, D))
             if fresh is not None:
                 x = torch.where(fresh[..., j0:j1, None], x, keys.decode(j0, j1).to(x.dtype))
-            q, scale, zero = quantize(x.view(B, H, g1 - g0, G, D), self.bits, dim=3, clip=self.key_clip)
+            q, scale, zero, kmeta = self._quantize_keys(x.view(B, H, g1 - g0, G, D))
             slot_w = w.repeat_interleave(G, -1)
             self.k[:, :, j0:j1] = torch.where(slot_w[..., None], pack(q, self.bits).flatten(2, 3), self.k[:, :, j0:j1])
+            self.k_meta[:, :, j0:j1] = torch.where(slot_w[..., None], kmeta.flatten(2, 3), self.k_meta[:, :, j0:j1])
             meta = torch.cat((scale, zero), 3)  # (B, H, n, 2, D)
             self.k_channel[:, :, g0:g1] = torch.where(w[..., None, None], meta, self.k_channel[:, :, g0:g1])
             mode[..., j0:j1] = torch.where(slot_w, CHANNEL, mode[..., j0:j1])
@@ -418,11 +448,13 @@ class KiviStorage(TokenStorage):
                     visible = (pos >= 0) & (pos <= p) & (p >= seal[s0:e])
                     kr, vr = kb[r, :, : e - s0], vb[r, :, : e - s0]
                     if copies is not None and (s1 > newest or i == len(blocks) - 1):
-                        # The last block this query block reads carries the staged copies.
+                        # The last block this query block reads carries the staged copies it
+                        # may read: those of its own groups.
                         slots, ks, vs = copies
-                        c_pos = pos_r[slots]
-                        kr, vr = torch.cat((kr, ks), dim=2), torch.cat((vr, vs), dim=2)
-                        visible = torch.cat((visible, (c_pos <= p) & (p < seal[slots])), dim=1)
+                        take = (slots <= newest) & (slots >= int(p.min()) // self.key_group * self.key_group)
+                        c_pos = pos_r[slots[take]]
+                        kr, vr = torch.cat((kr, ks[:, :, take]), dim=2), torch.cat((vr, vs[:, :, take]), dim=2)
+                        visible = torch.cat((visible, (c_pos <= p) & (p < seal[slots[take]])), dim=1)
                         pos = torch.cat((pos, c_pos))
                     if window is not None:
                         visible &= pos > p - window
