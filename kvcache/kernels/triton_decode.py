@@ -83,7 +83,9 @@ def _decode_kernel(
             ch = ch_ptr + b * sch_b + h * sch_h + (s2 // KGROUP) * sch_g + d[None, :]
             c_scale = tl.load(ch, mask=m2 & (mode == 0), other=0.0).to(tl.float32)
             c_zero = tl.load(ch + sch_t, mask=m2 & (mode == 0), other=0.0).to(tl.float32)
-            k = tl.where(mode == 0, code * c_scale + c_zero, k)
+            # A CHANNEL key's own scale: minus its per-token scale slot (PackedKeys).
+            own = -tl.load(km_ptr + b * skm_b + h * skm_h + s2 * skm_s, mask=m2 & (mode == 0), other=-1.0).to(tl.float32)
+            k = tl.where(mode == 0, (code * c_scale + c_zero) * own, k)
             r = tl.minimum(tl.maximum(s2 - res_start, 0), KGROUP - 1)
             resid = m2 & (mode == 2)
             k_res = tl.load(kr_ptr + b * sr_b + h * sr_h + r * sr_s + d[None, :], mask=resid, other=0.0).to(tl.float32)

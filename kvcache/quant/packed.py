@@ -162,7 +162,10 @@ class PackedKeys(_Packed):
 
     codes:    (B, H, S, Db) uint8.
     meta:     (B, H, S, 2 * n) fp16 per-token scales then zero points (n groups of channels);
-              used by slots in TOKEN mode (every slot when ``mode`` is None).
+              used by slots in TOKEN mode (every slot when ``mode`` is None). A CHANNEL slot
+              (n = 1) holds minus its own scale there, which multiplies its per-channel reading:
+              key = (code * S + Z) * -meta[..., 0] (quant/codes.py ``quantize_scaled``; -1 at
+              widths without one).
     mode:     (B, H, S) uint8 CHANNEL / TOKEN / RESIDUAL, or None (per-token layout).
     channel:  (B, H, NB, 2, D) fp16 scale and zero point of each channel over each group of
               ``group`` slots (group j covers slots [j * group, (j + 1) * group)).
@@ -199,7 +202,8 @@ class PackedKeys(_Packed):
         mode = self.mode[:, :, s0:s1].unsqueeze(-1)
         slots = torch.arange(s0, s1, device=self.device)
         scale, zero = self.channel[:, :, slots // self.group].float().unbind(-2)  # (B, H, m, D)
-        ch = unpack(self.codes[:, :, s0:s1], self.bits).float() * scale + zero
+        own = -self.meta[:, :, s0:s1, :1].float()  # (B, H, m, 1): each CHANNEL key's own scale
+        ch = (unpack(self.codes[:, :, s0:s1], self.bits).float() * scale + zero) * own
         res = _rows_of(self.residual, self.res_start, slots).float()
         out = torch.where(mode == CHANNEL, ch, torch.where(mode == RESIDUAL, res, tok))
         return out.to(self.dtype)
@@ -212,8 +216,8 @@ class PackedKeys(_Packed):
         ``work``: a float32 buffer of at least (B, H, s1 - s0, D) to convert the codes into.
         ``present``: whether the slots hold CHANNEL, TOKEN, RESIDUAL keys, if the caller knows.
         Scales are applied to queries and scores, not to the codes: per token,
-        q . (c * scale + zero) = scale * (q . c) + zero * sum(q); per channel over a group,
-        q . (c * S + Z) = (q * S) . c + q . Z."""
+        q . (c * scale + zero) = scale * (q . c) + zero * sum(q); per channel over a group, with
+        each key's own scale t, q . (c * S + Z) t = ((q * S) . c + q . Z) t."""
         q_codes = as_float(self.codes[:, :, s0:s1], self.bits, work)  # (B, H, m, D)
         if self.mode is None:
             return _token_scores(q, q_codes, self.meta[:, :, s0:s1].float())
@@ -248,7 +252,8 @@ class PackedKeys(_Packed):
         # (B, H, n, R, D) @ (B, H, n, D, G) -> (B, H, n, R, G)
         raw = (q.unsqueeze(2) * scale.unsqueeze(3)) @ q_codes.unflatten(2, (n, G)).transpose(-1, -2)
         raw = raw + (q @ zero.transpose(-1, -2)).transpose(-1, -2).unsqueeze(-1)
-        return raw.permute(0, 1, 3, 2, 4).flatten(-2)[..., :m]
+        own = -self.meta[:, :, s0:s1, 0].float().unsqueeze(2)  # (B, H, 1, m): each key's own scale
+        return raw.permute(0, 1, 3, 2, 4).flatten(-2)[..., :m] * own
 
 
 def as_float(codes: torch.Tensor, bits: int, work: torch.Tensor | None = None) -> torch.Tensor:
