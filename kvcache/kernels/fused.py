@@ -48,19 +48,20 @@ def slot_blocks(keys: PackedKeys, span: int, q: torch.Tensor, group: int = 0) ->
 
 
 class Fold:
-    """Queries' outputs over blocks of keys attended apart: per (rows, query range), the
-    running output (float32) and log-sum-exp, combined as each block is added.
+    """Queries' outputs over blocks of keys attended apart: a running output (float32) and
+    log-sum-exp per query, combined in place as each block is added.
 
-    q: (B, Hq, T, D). With ``blocks == 1`` nothing is folded: ``add`` keeps the fused call's
-    output as it is (the same numbers as one call over every slot).
+    q: (B, Hq, T, D). With ``blocks == 1`` nothing is folded: ``add`` writes the fused call's
+    output as it is (the same numbers as one call over every slot), and gradients flow through
+    it; several blocks are folded in place, for queries that carry no gradient (``slot_blocks``).
     """
 
     def __init__(self, q: torch.Tensor, blocks: int) -> None:
         self.q = q
         self.single = blocks == 1
-        # (rows, t0, t1) -> (out (b, Hq, n, D), lse (b, Hq, n) or None). Updated by replacement,
-        # never in place, so gradients flow to q (chunked training over per-token storages).
-        self.parts: dict[tuple[int, int, int, int], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        # Zero where no query saw a key (padding). Folding keeps float32 whatever q's dtype.
+        self.acc = torch.zeros_like(q, dtype=q.dtype if self.single else torch.float32)
+        self.lse = None if self.single else torch.full(q.shape[:-1], float("-inf"), device=q.device)
 
     def add(self, rows: slice, t0: int, t1: int, k: torch.Tensor, v: torch.Tensor, vis: torch.Tensor) -> None:
         """Fold in queries [t0, t1) of ``rows`` over one block: k, v (b, Hkv, m, D) decoded,
@@ -69,9 +70,8 @@ class Fold:
         G = q.shape[1] // k.shape[1]
         if vis.shape[1] > 1 and G > 1:
             vis = vis.repeat_interleave(G, dim=1)  # per K/V head -> per query head
-        key = (rows.start, rows.stop, t0, t1)
         if self.single:
-            self.parts[key] = (F.scaled_dot_product_attention(q, k, v, attn_mask=vis, enable_gqa=G > 1), None)
+            self.acc[rows, :, t0:t1] = F.scaled_dot_product_attention(q, k, v, attn_mask=vis, enable_gqa=G > 1)
             return
         seen = vis.any(-1)  # (b, 1 or Hq, n)
         if not bool(seen.any()):
@@ -81,22 +81,15 @@ class Fold:
         # A query that sees no key of the block gets output 0 and log-sum-exp 0 from the kernel:
         # it must weigh nothing.
         lse = lse.masked_fill(~seen.expand_as(lse), float("-inf"))
-        out = out.float()
-        if key not in self.parts:
-            self.parts[key] = (out, lse)
-            return
-        acc, acc_lse = self.parts[key]
+        acc, acc_lse = self.acc[rows, :, t0:t1], self.lse[rows, :, t0:t1]
         total = torch.logaddexp(acc_lse, lse)
-        safe = total.masked_fill(torch.isinf(total), 0.0)  # rows that have seen nothing yet
-        acc = acc * (acc_lse - safe).exp().unsqueeze(-1) + out * (lse - safe).exp().unsqueeze(-1)
-        self.parts[key] = (acc, total)
+        safe = total.masked_fill(torch.isinf(total), 0.0)  # queries that have seen nothing yet
+        acc.mul_((acc_lse - safe).exp_().unsqueeze(-1)).add_(out.float() * (lse - safe).exp_().unsqueeze(-1))
+        acc_lse.copy_(total)
 
     def out(self) -> torch.Tensor:
         """(B, Hq, T, D) at q's dtype; 0 where no query saw a key (padding)."""
-        out = torch.zeros_like(self.q)
-        for (r0, r1, t0, t1), (acc, _) in self.parts.items():
-            out[r0:r1, :, t0:t1] = acc.to(out.dtype)
-        return out
+        return self.acc.to(self.q.dtype)
 
 
 def attend_decoded(q: torch.Tensor, k: PackedKeys, v: PackedValues, q_pos: torch.Tensor, k_pos: torch.Tensor,

@@ -447,9 +447,9 @@ class KiviStorage(TokenStorage):
                     pos = pos_r[s0:e]
                     visible = (pos >= 0) & (pos <= p) & (p >= seal[s0:e])
                     kr, vr = kb[r, :, : e - s0], vb[r, :, : e - s0]
-                    if copies is not None and (s1 > newest or i == len(blocks) - 1):
-                        # The last block this query block reads carries the staged copies it
-                        # may read: those of its own groups.
+                    last = s1 > newest or i == len(blocks) - 1  # the last block this query block reads
+                    if copies is not None and last:
+                        # It carries the staged copies the query block may read: its own groups'.
                         slots, ks, vs = copies
                         take = (slots <= newest) & (slots >= int(p.min()) // self.key_group * self.key_group)
                         c_pos = pos_r[slots[take]]
