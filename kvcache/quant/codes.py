@@ -146,7 +146,7 @@ def quantize(x: torch.Tensor, bits: int, dim: int, valid: torch.Tensor | None = 
     return q.to(torch.uint8), scale, zero
 
 
-def quantize_scaled(x: torch.Tensor, bits: int, clip=()) -> tuple[torch.Tensor, ...]:
+def quantize_scaled(x: torch.Tensor, bits: int, clip=(), given: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """Per-channel codes of a group of keys x (..., G, D) (G slots, D channels) with a scale per
     key on top: each key is read back as ``(q * scale + zero) * t``, scale and zero per channel
     (..., 1, D), t per key (..., G, 1), all fp16.
@@ -155,14 +155,22 @@ def quantize_scaled(x: torch.Tensor, bits: int, clip=()) -> tuple[torch.Tensor, 
     per channel (``quantize`` over the G slots, with ``clip``), so that keys of large norm do not
     widen every channel's range; then t is refitted per key to the least-squares factor of its
     decoded codes (positive, else the root mean square). t is at least ``MIN_TOKEN_SCALE``.
+
+    ``given`` (..., G, 1): a key whose entry is positive keeps that scale, and is divided by it
+    (a key read back from codes, sealed again with new keys: it then is its old codes' reading,
+    which a range that the new keys did not widen gives back, instead of drifting each time).
     Returns codes (x's shape, uint8), scale, zero and t."""
     x = x.float()
     rms = x.square().mean(-1, keepdim=True).sqrt().clamp_(MIN_TOKEN_SCALE, FP16_MAX).half().float()
-    q, scale, zero = quantize(x / rms, bits, dim=-2, clip=clip)
+    keep = None if given is None else given.float() > 0
+    div = rms if keep is None else torch.where(keep, given.float(), rms)
+    q, scale, zero = quantize(x / div, bits, dim=-2, clip=clip)
     u = q.float() * scale.float() + zero.float()
     fit = (x * u).sum(-1, keepdim=True) / u.square().sum(-1, keepdim=True)
-    t = torch.where(torch.isfinite(fit) & (fit > 0), fit, rms).clamp_(MIN_TOKEN_SCALE, FP16_MAX).half()
-    return q, scale, zero, t
+    t = torch.where(torch.isfinite(fit) & (fit > 0), fit, rms).clamp_(MIN_TOKEN_SCALE, FP16_MAX)
+    if keep is not None:
+        t = torch.where(keep, given.float(), t)
+    return q, scale, zero, t.half()
 
 
 def encode_tokens(x: torch.Tensor, bits: int, group: int, clip=()) -> tuple[torch.Tensor, torch.Tensor]:

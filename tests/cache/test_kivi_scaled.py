@@ -52,6 +52,13 @@ def test_quantize_scaled_fits_each_key_scale():
     qp, sp, zp = quantize(x, 2, dim=-2, clip=key_clip(2))
     plain = ((qp.float() * sp.float() + zp.float() - x) ** 2).sum()
     assert float(err.sum()) < 0.8 * float(plain)
+    # Given scales are kept, and their keys divided by them (the others by their rms).
+    given = torch.where(torch.arange(64, device=DEVICE)[:, None] < 40, t, torch.zeros_like(t))
+    q2, s2, z2, t2 = quantize_scaled((u * t.float()), 2, given=given)
+    assert torch.equal(t2[..., :40, :], t[..., :40, :])
+    qg, sg, zg = quantize((u * t.float()) / torch.where(given > 0, given.float(), (u * t.float()).square().mean(
+        -1, keepdim=True).sqrt().half().float()), 2, dim=-2)
+    assert torch.equal(q2, qg) and torch.equal(s2, sg)
     # A group of zero keys comes back as zeros.
     q0, s0, z0, t0 = quantize_scaled(torch.zeros(1, 1, 8, 4, device=DEVICE), 2)
     assert float(((q0.float() * s0.float() + z0.float()) * t0.float()).abs().max()) == 0.0
@@ -103,7 +110,8 @@ def test_kivi2_attention_over_codes_matches_the_decoded_cache():
 def test_kivi2_keep_moves_and_reseals_keys_with_their_scales():
     """A keep in rank order moves per-channel keys: each is re-coded per token from its reading
     (its own scale included); placed in place, the groups are sealed again with new tokens, every
-    key scaled by its own, within the reach of 2-bit codes of what was written."""
+    key scaled by its own (a kept key keeps the one it had: sealing again does not drift), within
+    the reach of 2-bit codes of what was written."""
     C, G, D = 64, 16, 16
     gen = torch.Generator().manual_seed(3)
     x = _keys(gen, 1, 2, C, D)
@@ -114,7 +122,7 @@ def test_kivi2_keep_moves_and_reseals_keys_with_their_scales():
         store.write_slice(0, x, x, torch.arange(C, device=DEVICE)[None])
         assert bool((store.k_mode[:, :, :C] == CHANNEL).all())
         ks, vs, pos = store.view(C)
-        before = ks.decoded()
+        before, own = ks.decoded(), store.k_meta[:, :, :C, 0].clone()
         cand_pos = torch.cat((pos, torch.arange(C, C + 16, device=DEVICE)[None, None]), 2)
         idx = index if placement == "rank" else in_place(index, C)[0]
         store.keep(ks.with_tail(new), vs.with_tail(new), cand_pos, idx, stored=C)
@@ -132,6 +140,9 @@ def test_kivi2_keep_moves_and_reseals_keys_with_their_scales():
                                torch.where(moved[..., None], meta, 0))
         else:
             assert bool((mode == CHANNEL).all()) and bool((store.k_meta[:, :, :C, 0] < 0).all())
+            stays = src == slot
+            assert int(stays.sum()) > C
+            assert torch.equal(store.k_meta[:, :, :C, 0][stays], own[stays])
             written = torch.cat((x, new), 2).gather(2, src[..., None].expand(1, 2, C, D))
             rel = ((got - written) ** 2).sum() / (written**2).sum()
             assert float(rel) < 0.1

@@ -110,11 +110,13 @@ class KiviStorage(TokenStorage):
         g = head_dim // n
         return g if n > 1 and head_dim % n == 0 and g * bits % 8 == 0 else None
 
-    def _quantize_keys(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _quantize_keys(self, x: torch.Tensor, given: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Groups of keys x (..., G, D) per channel: codes, per-channel scale and zero (..., 1, D),
-        and what each key's ``k_meta`` holds (..., G, 2): minus its own scale (2 bits) or the mark."""
+        and what each key's ``k_meta`` holds (..., G, 2): minus its own scale (2 bits) or the mark.
+        ``given`` (..., G, 1): the own scales that kept keys keep (``quantize_scaled``)."""
         if self.key_token_scale:
-            q, scale, zero, t = quantize_scaled(x, self.bits, clip=self.key_clip)
+            q, scale, zero, t = quantize_scaled(x, self.bits, clip=self.key_clip, given=given)
             meta = torch.cat((-t, torch.full_like(t, CHANNEL_MARK)), -1)
         else:
             q, scale, zero = quantize(x, self.bits, dim=-2, clip=self.key_clip)
@@ -380,9 +382,13 @@ class KiviStorage(TokenStorage):
                 continue
             j0, j1 = g0 * G, g1 * G
             x = new_k.gather(2, src[..., j0:j1].clamp(min=0)[..., None].expand(B, H, j1 - j0, D))
+            given = None
             if fresh is not None:
                 x = torch.where(fresh[..., j0:j1, None], x, keys.decode(j0, j1).to(x.dtype))
-            q, scale, zero, kmeta = self._quantize_keys(x.view(B, H, g1 - g0, G, D))
+                # A kept per-channel key keeps its own scale (``quantize_scaled``): no drift.
+                own = -self.k_meta[:, :, j0:j1, :1]
+                given = torch.where(fresh[..., j0:j1, None], 0.0, own.clamp(min=0)).view(B, H, g1 - g0, G, 1)
+            q, scale, zero, kmeta = self._quantize_keys(x.view(B, H, g1 - g0, G, D), given)
             slot_w = w.repeat_interleave(G, -1)
             self.k[:, :, j0:j1] = torch.where(slot_w[..., None], pack(q, self.bits).flatten(2, 3), self.k[:, :, j0:j1])
             self.k_meta[:, :, j0:j1] = torch.where(slot_w[..., None], kmeta.flatten(2, 3), self.k_meta[:, :, j0:j1])
