@@ -35,8 +35,12 @@ BLOCK_BYTES = 2**20
 DECODE_BLOCK_BYTES = 2**22
 # Queries whose scores against one block of slots exist at a time.
 QUERY_BLOCK = 256
-# Slots of a decode step whose scores exist at a time (G per slot: 512 KiB for 32 query heads).
+# Slots of a decode step whose scores exist at a time: at least SPAN, more while their scores
+# (G query heads per slot and row) take at most SPAN_BYTES (4096 slots for 32 query heads; the
+# whole of 16k slots for 4 query heads, whose spans would otherwise cost more in per-span
+# operations than in arithmetic).
 SPAN = 4096
+SPAN_BYTES = 2**19
 
 
 def _blocks(k: PackedKeys, block_bytes: int = BLOCK_BYTES) -> list[tuple[int, int]]:
@@ -236,8 +240,9 @@ def decode(
     [0, sink_slots). Returns out (B, Hq, 1, D) and, with ``want_mass``, the attention each slot
     received summed over the G query heads of its group: (B, Hkv, S) float32.
 
-    The slots go in spans of about ``SPAN``: a span's blocks are scored (codes converted into
-    one reused buffer, per-token scales applied to the span's scores at once), the span is
+    The slots go in spans of ``SPAN`` slots or more (``SPAN_BYTES``): a span's blocks are
+    scored (codes converted into one reused buffer, per-token scales applied to the span's
+    scores at once), the span is
     folded into an online softmax, and its values are mixed block by block. With ``want_mass``
     each span's scores are kept (G per slot, as the mass itself is one per slot and K/V head)
     and normalised at the end.
@@ -258,7 +263,7 @@ def decode(
     plain = _plain(k) and _plain(v)
     state = _Softmax(B, H, G, D, q.device)
     kept = []
-    for span in _spans(blocks):
+    for span in _spans(blocks, max(SPAN, SPAN_BYTES // (4 * B * Hq))):
         a, b = span[0][0], span[-1][1]
         scores = torch.empty(B, H, G, b - a, device=q.device)
         for s0, s1 in span:
@@ -294,12 +299,12 @@ def decode(
     return out, state.weights(torch.cat(kept, -1)).sum(2) if want_mass else None
 
 
-def _spans(blocks: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
-    """Consecutive blocks grouped into spans of at least ``SPAN`` slots (the last may be shorter)."""
+def _spans(blocks: list[tuple[int, int]], slots: int) -> list[list[tuple[int, int]]]:
+    """Consecutive blocks grouped into spans of at least ``slots`` slots (the last may be shorter)."""
     spans, current = [], []
     for block in blocks:
         current.append(block)
-        if current[-1][1] - current[0][0] >= SPAN:
+        if current[-1][1] - current[0][0] >= slots:
             spans.append(current)
             current = []
     return spans + ([current] if current else [])

@@ -24,9 +24,11 @@ import torch.nn.functional as F
 from ..quant.packed import PackedKeys, PackedValues
 from .visibility import visibility
 
-# Decoded keys and values (float32 reckoning) held at once: 1024 slots of 8 K/V heads of 128
-# channels. One layer of that geometry at 32k tokens holds 256 MiB of decoded slots otherwise.
-BLOCK_BYTES = 2**23
+# Decoded keys and values (float32 reckoning) held at once: 256 slots of 8 K/V heads of 128
+# channels, 4096 of 2 heads of 128 (one layer of which, at 32k tokens, is 64 MiB decoded whole).
+# Decoding a block takes a few temporaries of its size: 8 MiB blocks left a 4096-token chunked
+# prefill 16-21% above dense's peak, 2 MiB ones 5-10%, at the same speed (benchmarks/prefill.py).
+BLOCK_BYTES = 2**21
 # Fewest slots per block (small heads would otherwise make many tiny fused calls).
 MIN_BLOCK = 256
 # Queries whose (queries x slots) mask and scores exist at a time.

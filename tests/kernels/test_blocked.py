@@ -28,6 +28,7 @@ def small_blocks(monkeypatch):
     monkeypatch.setattr(blocked, "MIN_BLOCK", 8)
     monkeypatch.setattr(blocked, "QUERY_BLOCK", 5)
     monkeypatch.setattr(blocked, "SPAN", 16)
+    monkeypatch.setattr(blocked, "SPAN_BYTES", 1)
 
 
 def filled(name: str, B=2, H=2, D=16, C=30, per_head=True, seed=0, device=CPU):
