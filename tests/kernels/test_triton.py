@@ -80,7 +80,7 @@ def test_the_blocked_path_takes_what_the_kernel_does_not():
     store = filled("kivi4/4")
     k, v, _ = store.view(25)
     zeros = lambda *shape: torch.zeros(*shape, device=DEVICE)  # noqa: E731
-    assert not triton_decode.supported(zeros(2, 4, 1, 16), torch.cat((k, zeros(2, 2, 3, 16)), dim=2), v)
+    assert not triton_decode.supported(zeros(2, 4, 1, 16), k.with_tail(zeros(2, 2, 3, 16)), v)
     store12 = filled("token4", D=12)
     k12, v12, _ = store12.view(25)
     assert not triton_decode.supported(zeros(2, 4, 1, 12), k12, v12)
