@@ -9,9 +9,10 @@ attended by every query of the chunk, and folded into the running output by the 
 log-sum-exp, which the CPU's fused kernel returns beside its output: what is held at once
 follows the block (``BLOCK_BYTES``), not the cache.
 
-Off the CPU the span is one block (the log-sum-exp kernel used here is the CPU's), as it is on
-the CPU when it fits in one, and for queries that carry a gradient: one fused call per query
-block, with nothing to fold.
+On the CPU, the leading slots of a block that every query of a query block sees (a chunk's
+stored past) take a fused call without a mask, folded with the masked call over the rest.
+Off the CPU the span is one block (the log-sum-exp kernel used here is the CPU's), as it is for
+queries that carry a gradient: one fused call per query block, with nothing to fold.
 
 Shapes: B rows, Hq query heads, Hkv K/V heads (G = Hq // Hkv), T queries, S slots, D head_dim.
 """
@@ -35,13 +36,23 @@ MIN_BLOCK = 256
 QUERY_BLOCK = 1024
 
 
+# Fewest leading slots, visible to every query of a query block, worth a fused call of their own
+# without a mask (about 20% faster than the masked call over the same slots on the CPU).
+MIN_UNMASKED = 256
+
+
+def folds(q: torch.Tensor) -> bool:
+    """Whether queries ``q`` can attend blocks apart and fold them: on the CPU, whose fused
+    kernel returns the log-sum-exp, and without a gradient to carry (it carries none)."""
+    return q.device.type == "cpu" and not (q.requires_grad and torch.is_grad_enabled())
+
+
 def slot_blocks(keys: PackedKeys, span: int, q: torch.Tensor, group: int = 0) -> list[tuple[int, int]]:
     """Slot ranges covering [0, span) of ``keys``' rows, each holding at most about
     ``BLOCK_BYTES`` decoded, a multiple of ``group`` slots (KIVI's key groups) when given.
-    One block for queries ``q`` that carry a gradient (chunked training): the kernel's
-    log-sum-exp carries none, so blocks could not be folded differentiably."""
+    One block where queries ``q`` cannot fold blocks (``folds``)."""
     B, H, _, D = keys.codes.shape[0], keys.codes.shape[1], keys.slots, keys.head_dim
-    if keys.device.type != "cpu" or span == 0 or (q.requires_grad and torch.is_grad_enabled()):
+    if span == 0 or not folds(q):
         return [(0, span)]
     step = max(MIN_BLOCK, BLOCK_BYTES // (2 * 4 * B * H * D))
     if group:
@@ -53,14 +64,15 @@ class Fold:
     """Queries' outputs over blocks of keys attended apart: a running output (float32) and
     log-sum-exp per query, combined in place as each block is added.
 
-    q: (B, Hq, T, D). With ``blocks == 1`` nothing is folded: ``add`` writes the fused call's
-    output as it is (the same numbers as one call over every slot), and gradients flow through
-    it; several blocks are folded in place, for queries that carry no gradient (``slot_blocks``).
+    q: (B, Hq, T, D). Where the queries cannot fold (``folds``: off the CPU, or carrying a
+    gradient) each query range is added once, over its one block, and ``add`` writes the fused
+    call's output as it is. Otherwise a block's leading slots that every query of the range sees
+    take a call without a mask, the rest a masked one, both folded in place.
     """
 
-    def __init__(self, q: torch.Tensor, blocks: int) -> None:
+    def __init__(self, q: torch.Tensor) -> None:
         self.q = q
-        self.single = blocks == 1
+        self.single = not folds(q)
         # Zero where no query saw a key (padding). Folding keeps float32 whatever q's dtype.
         self.acc = torch.zeros_like(q, dtype=q.dtype if self.single else torch.float32)
         self.lse = None if self.single else torch.full(q.shape[:-1], float("-inf"), device=q.device)
@@ -75,14 +87,23 @@ class Fold:
         if self.single:
             self.acc[rows, :, t0:t1] = F.scaled_dot_product_attention(q, k, v, attn_mask=vis, enable_gqa=G > 1)
             return
+        # Leading slots every query sees (the stored past of a chunk): one call without a mask.
+        cut = int(vis.flatten(0, 2).all(0).cumprod(0).sum())
+        if cut >= MIN_UNMASKED:
+            self._fold(rows, t0, t1, *_fused(q, k[:, :, :cut], v[:, :, :cut], None))
+            k, v, vis = k[:, :, cut:], v[:, :, cut:], vis[..., cut:]
+            if k.shape[2] == 0:
+                return
         seen = vis.any(-1)  # (b, 1 or Hq, n)
         if not bool(seen.any()):
             return
-        bias = torch.zeros(vis.shape, dtype=q.dtype, device=q.device).masked_fill_(~vis, float("-inf"))
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias)
+        out, lse = _fused(q, k, v, vis)
         # A query that sees no key of the block gets output 0 and log-sum-exp 0 from the kernel:
         # it must weigh nothing.
-        lse = lse.masked_fill(~seen.expand_as(lse), float("-inf"))
+        self._fold(rows, t0, t1, out, lse.masked_fill(~seen.expand_as(lse), float("-inf")))
+
+    def _fold(self, rows: slice, t0: int, t1: int, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """Fold one call's out (b, Hq, n, D) and lse (b, Hq, n) into queries [t0, t1) of ``rows``."""
         acc, acc_lse = self.acc[rows, :, t0:t1], self.lse[rows, :, t0:t1]
         total = torch.logaddexp(acc_lse, lse)
         safe = total.masked_fill(torch.isinf(total), 0.0)  # queries that have seen nothing yet
@@ -94,6 +115,16 @@ class Fold:
         return self.acc.to(self.q.dtype)
 
 
+def _fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, vis: torch.Tensor | None
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU's fused attention with each query's log-sum-exp: q (b, Hq, n, D), k, v (b, Hkv,
+    m, D), vis (b, 1 or Hq, n, m) bool or None (every key visible) -> out (b, Hq, n, D), lse
+    (b, Hq, n) float32."""
+    bias = None if vis is None else torch.zeros(vis.shape, dtype=q.dtype, device=q.device).masked_fill_(
+        ~vis, float("-inf"))
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias)
+
+
 def attend_decoded(q: torch.Tensor, k: PackedKeys, v: PackedValues, q_pos: torch.Tensor, k_pos: torch.Tensor,
                    *, window: int | None = None) -> torch.Tensor:
     """``attention.masked(q, k.decoded(), v.decoded(), q_pos, k_pos, window=window)`` without
@@ -103,7 +134,7 @@ def attend_decoded(q: torch.Tensor, k: PackedKeys, v: PackedValues, q_pos: torch
     """
     T = q.shape[2]
     blocks = slot_blocks(k, k.slots, q)
-    fold = Fold(q, len(blocks))
+    fold = Fold(q)
     rows = slice(0, q.shape[0])
     for s0, s1 in blocks:
         kb, vb = k.decode(s0, s1), v.decode(s0, s1)

@@ -673,6 +673,7 @@ def test_kivi_chunk_attention_equals_reading_the_codes(case, monkeypatch):
     if case == "key_blocks":  # the slots decoded a key group at a time, each query block folding them
         monkeypatch.setattr(fused, "BLOCK_BYTES", 1)
         monkeypatch.setattr(fused, "MIN_BLOCK", 1)
+        monkeypatch.setattr(fused, "MIN_UNMASKED", 1)
 
     def write(start: int, T: int, n: list[int]) -> None:
         k = torch.randn(B, H, T, D, generator=gen).to(DEVICE) * torch.linspace(0.2, 3, D, device=DEVICE)

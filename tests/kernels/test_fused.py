@@ -20,10 +20,12 @@ CPU_ONLY_FOLD = DEVICE.type != "cpu"  # off the CPU the span is one block: nothi
 
 @pytest.fixture
 def small_blocks(monkeypatch):
-    """Blocks of 8 slots and queries in blocks of 5, far smaller than the inputs."""
+    """Blocks of 8 slots and queries in blocks of 5, far smaller than the inputs; leading
+    slots that every query sees take a call of their own from 2 on."""
     monkeypatch.setattr(fused, "BLOCK_BYTES", 1)
     monkeypatch.setattr(fused, "MIN_BLOCK", 8)
     monkeypatch.setattr(fused, "QUERY_BLOCK", 5)
+    monkeypatch.setattr(fused, "MIN_UNMASKED", 2)
 
 
 def stored(name: str, dtype: torch.dtype, per_head: bool, B=2, H=2, D=16, S=30, seed=0):
@@ -61,6 +63,23 @@ def test_blocks_fold_to_one_call_over_the_decoded_slots(small_blocks, name, dtyp
     assert got.dtype == dtype
     assert max_diff(got, want) <= CACHE_ATOL[dtype]
     assert got[1, :, -3:].abs().max() == 0
+
+
+@pytest.mark.parametrize("block", [8, 30])
+def test_a_stored_past_every_query_sees_folds_with_the_masked_rest(small_blocks, monkeypatch, block):
+    """Slots in position order, a chunk of queries after 20 of them: each block's leading slots
+    that every query sees take a call without a mask, folded with the masked rest (in blocks of
+    8 slots, and with the whole span one block)."""
+    monkeypatch.setattr(fused, "MIN_BLOCK", block)
+    store = stored("token8", torch.float32, per_head=False)
+    store.pos[:, :, :30] = torch.arange(30, device=DEVICE)
+    k, v, k_pos = store.view(30)
+    q = torch.randn(2, 4, 10, 16, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    q_pos = torch.arange(20, 30, device=DEVICE).repeat(2, 1)
+    for window in (None, 15):
+        got = attend_decoded(q, k, v, q_pos, k_pos, window=window)
+        want = attention.masked(q, k.decoded(), v.decoded(), q_pos, k_pos, window=window)
+        assert max_diff(got, want) <= CACHE_ATOL[torch.float32]
 
 
 def test_gradients_reach_the_queries(small_blocks):
@@ -111,4 +130,5 @@ def test_chunked_prefill_in_small_blocks_equals_one_block(llama, monkeypatch, st
     monkeypatch.setattr(fused, "BLOCK_BYTES", 1)
     monkeypatch.setattr(fused, "MIN_BLOCK", 64)
     monkeypatch.setattr(fused, "QUERY_BLOCK", 32)
+    monkeypatch.setattr(fused, "MIN_UNMASKED", 16)
     assert max_diff(run(), one) <= CACHE_ATOL[torch.float32]

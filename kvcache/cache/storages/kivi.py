@@ -439,7 +439,7 @@ class KiviStorage(TokenStorage):
             [slice(b, b + 1) for b in range(B)]
         reads = [(r, int(n_tokens[r].max()), *self._staged_reads(r, span, q.device)) for r in rows]
         blocks = fused.slot_blocks(keys, span, q, self.key_group)
-        fold = fused.Fold(q, len(blocks))
+        fold = fused.Fold(q)
         for i, (s0, s1) in enumerate(blocks):
             kb, vb = keys.decode(s0, s1), values.decode(s0, s1)
             for r, n, seal, copies in reads:
