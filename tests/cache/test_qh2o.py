@@ -19,13 +19,15 @@ def tiny(tmp_path_factory):
     return build_tiny(tmp_path_factory.mktemp("qh2o_tiny"), layers=2, max_positions=4096, seed=5)
 
 
+@pytest.mark.parametrize("scale", ["minmax", "rank"])
 @pytest.mark.parametrize("storage", ["", ":int4"])
-def test_weight_one_is_h2o(tiny, storage):
-    """With all the weight on the H2O score, qh2o keeps what h2o keeps and computes the same."""
+def test_weight_one_is_h2o(tiny, storage, scale):
+    """With all the weight on the H2O score, qh2o keeps what h2o keeps and computes the same
+    (either scale is monotone in the score)."""
     ids = ids_for(70, seed=4, vocab=tiny.config.vocab_size)
     schedule = [24] + [1] * 30 + [9] + [1] * 7
     caches = {name: kvcache.make_cache(tiny, name + storage, cache_length=12, recent=3, **extra)
-              for name, extra in (("h2o", {}), ("qh2o", {"weight": 1.0}))}
+              for name, extra in (("h2o", {}), ("qh2o", {"weight": 1.0, "scale": scale}))}
     logits = {}
     with torch.inference_mode():
         for name, cache in caches.items():
@@ -39,13 +41,14 @@ def test_weight_one_is_h2o(tiny, storage):
     assert max_diff(logits["h2o"], logits["qh2o"]) <= ATOL
 
 
-def test_weight_zero_keeps_the_tokens_that_quantize_best():
+@pytest.mark.parametrize("scale", ["minmax", "rank"])
+def test_weight_zero_keeps_the_tokens_that_quantize_best(scale):
     """Constant vectors quantize without error; with the weight on the error alone, every one
     of them outranks every random one, and the recent tokens stay whatever their error."""
     H, D, C = 2, 16, 8
     spec = CacheSpec(batch_size=1, num_kv_heads=H, head_dim=D, cache_length=C, dtype=torch.float32,
                      device=DEVICE)
-    layer = QH2OCache(spec, QH2OOptions(recent=2, weight=0.0, bits=2))
+    layer = QH2OCache(spec, QH2OOptions(recent=2, weight=0.0, bits=2, scale=scale))
     cache = KVCache([layer], spec, "qh2o")
     gen = torch.Generator().manual_seed(0)
     T = 12
@@ -74,7 +77,22 @@ def test_error_is_measured_before_quantization(tiny):
         assert bool((layer.stats["error"][..., :16][held] > 0).all())
 
 
-@pytest.mark.parametrize("options,message", [({"weight": 1.5}, "weight must lie in"), ({"bits": 3}, "bits")])
+def test_rank_scale_spreads_a_heavy_tailed_score():
+    """Min-max leaves every candidate but the heaviest near 0 when one score dwarfs the rest, so
+    the error decides among them; ranks spread them over [0, 1] in the score's order."""
+    spec = CacheSpec(batch_size=1, num_kv_heads=1, head_dim=16, cache_length=8, dtype=torch.float32, device=DEVICE)
+    score = torch.tensor([[[1000.0, 1.0, 2.0, 3.0, 4.0, 0.5]]], device=DEVICE)
+    ranked = torch.tensor([[[True, True, True, True, True, False]]], device=DEVICE)
+    from kvcache.cache.policies import qh2o
+
+    mm, rk = qh2o._minmax(score, ranked), qh2o._rank(score, ranked)
+    assert float(mm[0, 0, 1:5].max()) < 0.01
+    assert torch.allclose(rk[0, 0], torch.tensor([1.0, 0.0, 0.25, 0.5, 0.75, 0.0], device=DEVICE))
+    assert QH2OCache(spec, QH2OOptions(recent=2, scale="rank")).options.scale == "rank"
+
+
+@pytest.mark.parametrize("options,message", [({"weight": 1.5}, "weight must lie in"), ({"bits": 3}, "bits"),
+                                             ({"scale": "log"}, "minmax, rank")])
 def test_bad_options(tiny, options, message):
     with pytest.raises(ValueError, match=message):
         kvcache.make_cache(tiny, "qh2o", cache_length=16, **options)

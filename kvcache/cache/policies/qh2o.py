@@ -27,10 +27,15 @@ from ..storage import parse_storage
 from .h2o import H2OCache, H2OOptions
 
 
+SCALES = ("minmax", "rank")
+
+
 @dataclass(frozen=True)
 class QH2OOptions(H2OOptions):
     weight: float = option(0.5, "share of the H2O score in the priority; the rest is the quantization error")
     bits: int = option(4, f"width the error is measured at when the storage is full precision ({', '.join(map(str, BITS))})")
+    scale: str = option("minmax", "how score and error are put on [0, 1] over a row's candidates: min-max "
+                        "(keys_values) or rank (their quantiles)", SCALES)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -84,8 +89,9 @@ class QH2OCache(H2OCache):
         w = self.options.weight
         protected = self.protected(c)
         ranked = (c.positions >= 0) & ~protected
-        score = _minmax(self.heavy(c), ranked)
-        error = _minmax(c.stats["error"], ranked)
+        norm = _minmax if self.options.scale == "minmax" else _rank
+        score = norm(self.heavy(c), ranked)
+        error = norm(c.stats["error"], ranked)
         prio = w * score + (w - 1) / 2 * error + (1 - w)
         return prio.masked_fill(protected, PROTECTED)
 
@@ -96,3 +102,16 @@ def _minmax(x: torch.Tensor, ranked: torch.Tensor) -> torch.Tensor:
     hi = x.masked_fill(~ranked, float("-inf")).amax(dim=(1, 2), keepdim=True)
     span = (hi - lo).clamp(min=torch.finfo(torch.float32).tiny)
     return torch.where(ranked, (x - lo) / span, 0.0)
+
+
+def _rank(x: torch.Tensor, ranked: torch.Tensor) -> torch.Tensor:
+    """x (B, Hp, N) replaced per row by its quantile among the ranked entries, in [0, 1] (ties
+    broken by index; the others are 0). Unlike min-max, a heavy-tailed score (a few heavy
+    hitters far above the rest) does not leave the bulk of candidates within a sliver of 0."""
+    B = x.shape[0]
+    flat = x.masked_fill(~ranked, float("inf")).flatten(1)
+    order = torch.empty_like(flat, dtype=torch.long)
+    order.scatter_(1, flat.argsort(dim=1, stable=True), torch.arange(flat.shape[1], device=x.device).expand(B, -1))
+    count = ranked.flatten(1).sum(1, keepdim=True)
+    q = order.float() / (count - 1).clamp(min=1).float()
+    return torch.where(ranked, q.view_as(x), 0.0)
