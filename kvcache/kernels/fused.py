@@ -77,15 +77,18 @@ class Fold:
         self.acc = torch.zeros_like(q, dtype=q.dtype if self.single else torch.float32)
         self.lse = None if self.single else torch.full(q.shape[:-1], float("-inf"), device=q.device)
 
-    def add(self, rows: slice, t0: int, t1: int, k: torch.Tensor, v: torch.Tensor, vis: torch.Tensor) -> None:
+    def add(self, rows: slice, t0: int, t1: int, k: torch.Tensor, v: torch.Tensor, vis: torch.Tensor | None) -> None:
         """Fold in queries [t0, t1) of ``rows`` over one block: k, v (b, Hkv, m, D) decoded,
-        vis (b, 1 or Hkv, n, m) bool, which keys each query may see."""
+        vis (b, 1 or Hkv, n, m) bool, which keys each query may see (None: every one)."""
         q = self.q[rows, :, t0:t1]
         G = q.shape[1] // k.shape[1]
-        if vis.shape[1] > 1 and G > 1:
+        if vis is not None and vis.shape[1] > 1 and G > 1:
             vis = vis.repeat_interleave(G, dim=1)  # per K/V head -> per query head
         if self.single:
             self.acc[rows, :, t0:t1] = F.scaled_dot_product_attention(q, k, v, attn_mask=vis, enable_gqa=G > 1)
+            return
+        if vis is None:
+            self._fold(rows, t0, t1, *_fused(q, k, v, None))
             return
         # Leading slots every query sees (the stored past of a chunk): one call without a mask.
         cut = int(vis.flatten(0, 2).all(0).cumprod(0).sum())

@@ -451,21 +451,29 @@ class KiviStorage(TokenStorage):
                     if s0 > newest:
                         continue  # slot s holds position s: later slots are unseen
                     e = min(s1, newest + 1)
-                    pos = pos_r[s0:e]
-                    visible = (pos >= 0) & (pos <= p) & (p >= seal[s0:e])
-                    kr, vr = kb[r, :, : e - s0], vb[r, :, : e - s0]
+                    own = int(p.min()) // self.key_group * self.key_group  # the block's first group
+                    # Slots before it every query reads as they are now (each group there was
+                    # sealed before the query block's first position): one call without a mask.
+                    lead = 0 if fold.single or window is not None else max(0, min(e, own) - s0)
+                    if lead:
+                        fold.add(r, t0, t1, kb[r, :, :lead], vb[r, :, :lead], None)
+                    a = s0 + lead
+                    pos = pos_r[a:e]
+                    visible = (pos >= 0) & (pos <= p) & (p >= seal[a:e])
+                    kr, vr = kb[r, :, lead : e - s0], vb[r, :, lead : e - s0]
                     last = s1 > newest or i == len(blocks) - 1  # the last block this query block reads
                     if copies is not None and last:
                         # It carries the staged copies the query block may read: its own groups'.
                         slots, ks, vs = copies
-                        take = (slots <= newest) & (slots >= int(p.min()) // self.key_group * self.key_group)
+                        take = (slots <= newest) & (slots >= own)
                         c_pos = pos_r[slots[take]]
                         kr, vr = torch.cat((kr, ks[:, :, take]), dim=2), torch.cat((vr, vs[:, :, take]), dim=2)
                         visible = torch.cat((visible, (c_pos <= p) & (p < seal[slots[take]])), dim=1)
                         pos = torch.cat((pos, c_pos))
                     if window is not None:
                         visible &= pos > p - window
-                    fold.add(r, t0, t1, kr, vr, visible.expand(kr.shape[0], 1, *visible.shape))
+                    if kr.shape[2]:
+                        fold.add(r, t0, t1, kr, vr, visible.expand(kr.shape[0], 1, *visible.shape))
         return fold.out()
 
     def _staged_reads(self, r: slice, span: int, dev: torch.device):
