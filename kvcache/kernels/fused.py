@@ -27,8 +27,9 @@ from .visibility import visibility
 
 # Decoded keys and values (float32 reckoning) held at once: 256 slots of 8 K/V heads of 128
 # channels, 4096 of 2 heads of 128 (one layer of which, at 32k tokens, is 64 MiB decoded whole).
-# Decoding a block takes a few temporaries of its size: 8 MiB blocks left a 4096-token chunked
-# prefill 16-21% above dense's peak, 2 MiB ones 5-10%, at the same speed (benchmarks/prefill.py).
+# Decoding a block takes a few temporaries of its size: in one run each, 8 MiB blocks left a
+# 4096-token chunked prefill 16-21% above dense's peak, 2 MiB ones 5-10%, times within 7%
+# (benchmarks/prefill.py; peaks of that size move by as much from run to run).
 BLOCK_BYTES = 2**21
 # Fewest slots per block (small heads would otherwise make many tiny fused calls).
 MIN_BLOCK = 256
@@ -37,7 +38,7 @@ QUERY_BLOCK = 1024
 
 
 # Fewest leading slots, visible to every query of a query block, worth a fused call of their own
-# without a mask (about 20% faster than the masked call over the same slots on the CPU).
+# without a mask (14-21% faster than the masked call over the same slots, measured on the CPU).
 MIN_UNMASKED = 256
 
 
