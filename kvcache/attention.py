@@ -114,8 +114,9 @@ def masked(
     G = Hq // Hkv
     if all_visible and T == 1:
         # The decode step over a dense cache: one fused call, no mask, no copies.
-        # reshape, not view: on CUDA the rotated query of a batch need not be laid out contiguously.
-        return F.scaled_dot_product_attention(q.reshape(B, Hkv, G, D), k, v).view(B, Hq, 1, D)
+        # reshape, never view, around the kernel: CUDA's kernels return (B, Hkv, G, D) as a view of a
+        # (B, G, Hkv, D) buffer, and the rotated query of a batch need not be contiguous either.
+        return F.scaled_dot_product_attention(q.reshape(B, Hkv, G, D), k, v).reshape(B, Hq, 1, D)
     out = torch.empty_like(q)
     for start in range(0, T, QUERY_BLOCK):
         stop = min(start + QUERY_BLOCK, T)
@@ -133,7 +134,7 @@ def masked(
         qb = q[:, :, start:stop].reshape(B, Hkv, G * n, D)
         mask = vis.unsqueeze(2).expand(-1, -1, G, -1, -1).reshape(B, Hkv, G * n, -1)
         ob = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask)
-        out[:, :, start:stop] = ob.view(B, Hq, n, D)
+        out[:, :, start:stop] = ob.reshape(B, Hq, n, D)  # not view: CUDA lays ob out as (B, G*n, Hkv, D)
     return out
 
 
@@ -236,7 +237,8 @@ def decode(
     G = Hq // Hkv
     qh = q.reshape(B, Hkv, G, D)
     if not want_mass:
-        return _decode_fused(qh, k, v, visible, q_sink, sink_slots).view(B, Hq, 1, D), None
+        # reshape, not view: CUDA's kernels return (B, Hkv, G, D) laid out as (B, G, Hkv, D).
+        return _decode_fused(qh, k, v, visible, q_sink, sink_slots).reshape(B, Hq, 1, D), None
     if q_sink is not None:
         raise ValueError("decode: q_sink (renumbered sinks) is not supported together with want_mass")
     # Three-dimensional bmm over (B * Hkv) groups: the 4-d matmul costs a few extra dispatches per

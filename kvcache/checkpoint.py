@@ -14,6 +14,7 @@ from typing import Mapping, Sequence
 import torch
 from safetensors import safe_open
 
+from . import devices
 from .config import ModelConfig
 from .errors import CheckpointError, KVCacheWarning
 from .model import Transformer
@@ -156,7 +157,7 @@ def load(
     if unexpected:
         warnings.warn(f"ignoring {len(unexpected)} unexpected tensors in {path}: {unexpected[:5]}", KVCacheWarning,
                       stacklevel=2)
-    device = torch.device(device) if device is not None else torch.device("cpu")
+    device = devices.canonical(device) if device is not None else torch.device("cpu")
     if dtype is None:
         dtype = torch.float32 if device.type == "cpu" else state["embed_tokens.weight"].dtype
     model.load_state_dict(

@@ -10,6 +10,12 @@ runs it after an eager step. One capture then serves every step of every generat
 same cache: ``torch.compile(fullgraph=True)``, and on CUDA its CUDA-graph mode
 ("reduce-overhead").
 
+What a CUDA graph needs: every tensor the step reads or writes that lives across steps (the
+cache's keys, values, positions, scores, counts and lengths) is a static address
+(``torch._dynamo.mark_static_address``), as the model's parameters and buffers are; the step's
+only other input is the tokens. Positions come from the cache's ``device_lengths``, which the
+step advances inside its graph: no host-to-device copy and no host wait per step.
+
 Prefill stays eager. Batched eviction (``reserve``) and whole blocks are not captured: their
 decode steps alternate between appending and evicting, a decision made on the host.
 """
@@ -20,6 +26,7 @@ import time
 
 import torch
 
+from . import devices
 from .cache.base import KVCache, Step
 from .errors import CapacityError
 
@@ -45,18 +52,29 @@ class CompiledDecode:
         self.compile_s: float | None = None
         self._step = torch.compile(self._forward, fullgraph=True, dynamic=False, backend=backend, mode=mode)
 
-    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        lengths = self.cache.device_lengths
+        positions = lengths[:, None].clone()
         step = Step.captured_decode(positions)
-        return self.model.run(tokens, positions, self.cache, step)[:, -1]
+        logits = self.model.run(tokens, positions, self.cache, step)[:, -1]
+        lengths.add_(1)
+        return logits
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        """One step with ``tokens`` (B, 1) from anywhere: their shape, device and ids are checked
+        first (the ids' check waits for the device once)."""
         cache = self.cache
         if tokens.shape != (cache.batch_size, 1):
             raise ValueError(f"tokens must have shape ({cache.batch_size}, 1), got {tuple(tokens.shape)}")
-        if tokens.device != cache.spec.device:
+        if not devices.same(tokens.device, cache.spec.device):
             raise ValueError(f"tokens are on {tokens.device} but the cache is on {cache.spec.device}")
-        # Checked here, outside the captured step, as forward checks them (no host wait on CUDA).
         self.model.check_token_ids(tokens)
+        return self.step(tokens)
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """One step with ``tokens`` (B, 1) sampled from this model's logits (the decode loop's):
+        not checked against the vocabulary, so that nothing waits for the device."""
+        cache = self.cache
         limit = cache.max_tokens
         if limit is not None and int(cache.lengths.max()) >= limit:
             row = int(cache.lengths.argmax())
@@ -64,15 +82,17 @@ class CompiledDecode:
                 f"{cache.policy} cache is full: row {row} holds {int(cache.lengths[row])} tokens and "
                 f"cache_length is {limit}. Make the cache with a larger cache_length, or use an evicting policy."
             )
-        positions = cache.lengths[:, None].to(tokens.device, non_blocking=True)
+        cache.decode_positions()  # copied from the host after a prefill; between steps, nothing
         if self.compile_s is None:
+            for t in held_tensors(cache):
+                torch._dynamo.mark_static_address(t)
             start = time.perf_counter()
-            logits = self._step(tokens, positions)
+            logits = self._step(tokens)
             if logits.is_cuda:
                 torch.cuda.synchronize()  # once: the capture is over when its first step is
             self.compile_s = time.perf_counter() - start
         else:
-            logits = self._step(tokens, positions)
+            logits = self._step(tokens)
         cache.advance_decode()
         # A CUDA graph's output lives in memory the next replay overwrites.
         return logits.clone() if self._cuda_graphs else logits
@@ -84,6 +104,30 @@ def captured_decode(model: torch.nn.Module, cache: KVCache) -> CompiledDecode:
     if cache.captured is None or cache.captured.model is not model:
         cache.captured = CompiledDecode(model, cache)
     return cache.captured
+
+
+def held_tensors(cache: KVCache) -> list[torch.Tensor]:
+    """Every tensor ``cache`` holds from step to step: its lengths and decode constants, and each
+    layer's (its storage's buffers, a policy's scores and counts, head-wise layers' heads), found
+    by walking the layers' attributes, so that a policy's new tensor is found without a list to
+    keep. Model tensors (parameters, buffers) are already static and not walked into."""
+    found: dict[int, torch.Tensor] = {}
+    seen: set[int] = set()
+    todo: list[object] = [cache.device_lengths, cache._decode_valid, cache._decode_last, *cache.layers]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, torch.nn.Module):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            found[id(obj)] = obj
+        elif isinstance(obj, (list, tuple)):
+            todo.extend(obj)
+        elif isinstance(obj, dict):
+            todo.extend(obj.values())
+        elif type(obj).__module__.startswith("kvcache.") and hasattr(obj, "__dict__"):
+            todo.extend(vars(obj).values())
+    return list(found.values())
 
 
 def check_capturable(cache: KVCache) -> None:

@@ -8,6 +8,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
+from . import devices
 from .cache.base import KVCache
 from .cache.registry import make_cache
 from .checkpoint import Tokenizer
@@ -35,7 +36,11 @@ def sample(
     top_p: float | None,
     generator: torch.Generator | None,
 ) -> torch.Tensor:
-    """Next tokens (B,) from logits (B, vocab): greedy at temperature 0, else filtered sampling."""
+    """Next tokens (B,) from logits (B, vocab): greedy at temperature 0, else filtered sampling
+    with ``generator``, which must be on the logits' device (``torch.Generator(device=...)``)."""
+    if generator is not None and not devices.same(generator.device, logits.device):
+        raise ValueError(f"the generator is on {generator.device} but the logits are on {logits.device}: make it "
+                         f"there (torch.Generator(device={str(logits.device)!r}))")
     if temperature == 0.0:
         return logits.argmax(-1)
     logits = logits.float() / temperature
@@ -311,10 +316,10 @@ def generate(
 
         def decode(tokens: torch.Tensor) -> torch.Tensor:
             # Made on the first decode step, so that setting up the compiler does not delay the prefill.
-            return captured_decode(model, cache)(tokens)
+            return captured_decode(model, cache).step(tokens)
     else:
         def decode(tokens: torch.Tensor) -> torch.Tensor:
-            return model(tokens, cache)[:, -1]
+            return model.decode(tokens, cache)
     # Up front rather than when the decode loop gets there; the model warns once, so not again then.
     model.warn_past_max_positions(longest + max(max_new_tokens - 1, 0))
     cache.reset()

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import attention
+from . import attention, devices
 from .cache.base import KVCache, LayerCache, Step
 from .config import ModelConfig
 from .errors import KVCacheWarning
@@ -160,7 +160,7 @@ class Transformer(nn.Module):
         if cache is not None:
             cache.check_model(self)
         device = self.embed_tokens.weight.device
-        if input_ids.device != device:
+        if not devices.same(input_ids.device, device):
             raise ValueError(f"input_ids is on {input_ids.device} but the model is on {device}; move the ids "
                              f"to {device} (ids.to({str(device)!r}))")
         self.check_token_ids(input_ids)
@@ -180,6 +180,20 @@ class Transformer(nn.Module):
         if cache is not None:
             cache.commit(step)
         return out
+
+    def decode(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One decode step with tokens sampled from this model's own logits (a decode loop's):
+        tokens (B, 1) long on the model's device -> (B, vocab) logits of each row's next token.
+
+        ``forward`` without the check of the ids against the vocabulary, which would wait for
+        the device every step (sampled ids lie in it); every other check stays. Ids from
+        anywhere else go through ``forward``."""
+        if tokens.dim() != 2 or tokens.shape[1] != 1:
+            raise ValueError(f"decode takes one token per row, shape (batch, 1); got {tuple(tokens.shape)}")
+        step = cache.begin(tokens, None, self)
+        logits = self.run(tokens, step.positions, cache, step)[:, -1]
+        cache.commit(step)
+        return logits
 
     def run(
         self,
@@ -211,19 +225,14 @@ class Transformer(nn.Module):
         return x if skip_lm_head else self.lm_head(x)
 
     def check_token_ids(self, input_ids: torch.Tensor) -> None:
-        """Reject ids outside [0, vocab_size), padding included, before a cache is touched.
+        """Reject ids outside [0, vocab_size), padding included, before any kernel reads them and
+        before a cache is touched. input_ids: (B, T) integer tensor.
 
-        input_ids: (B, T) integer tensor.
+        On the host, on every device: an id out of range reaching the embedding on CUDA is a
+        device-side assert, which leaves the process's CUDA context unusable. The check waits for
+        the device once per call; the decode loop's own sampled tokens skip it (``decode``).
         """
         V = self.config.vocab_size
-        if input_ids.is_cuda:
-            # A host-side check would synchronise every decode step and break CUDA graph capture.
-            # The asynchronous assert costs a few tiny kernels and fails as the embedding's own
-            # out-of-range assert would (the CUDA context is unusable afterwards, cache included),
-            # but recent torch versions print this message with it, naming the cause.
-            in_range = input_ids.ge(0).logical_and_(input_ids.lt(V)).all()
-            torch._assert_async(in_range, f"input_ids holds token ids outside [0, {V}), the model's vocabulary")
-            return
         lo, hi = input_ids.aminmax()
         if int(lo) < 0 or int(hi) >= V:
             bad = input_ids[(input_ids < 0) | (input_ids >= V)].unique()

@@ -46,6 +46,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from . import devices
 from .cache.base import KVCache
 from .cache.snapshot import Snapshot
 from .cache.snapshot import check as check_snapshot
@@ -201,7 +202,7 @@ class PrefixStore:
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
             raise ValueError(f"max_bytes must be a positive int (bytes of stored tensors), got {max_bytes!r}")
         self.max_bytes = max_bytes
-        self.device = torch.device(device) if device is not None else model.embed_tokens.weight.device
+        self.device = devices.canonical(device) if device is not None else model.embed_tokens.weight.device
         self.model_id = model_fingerprint(model)
         self._model = weakref.ref(model)
         self._vocab = model.config.vocab_size

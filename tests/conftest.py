@@ -12,6 +12,13 @@ process groups, Ray's workers, vLLM's CPU build, a resident-set measurement) car
 ``pytest.mark.cpu_only`` with the reason, and run on the CPU whatever the variable says;
 ``-m "not cpu_only"`` leaves them out.
 
+CUDA's layouts on the CPU. ``KVCACHE_TEST_LAYOUT`` (``cuda``, the default, or ``native``) says how
+the attention kernel's results come back when the suite runs on the CPU. With ``cuda``,
+``F.scaled_dot_product_attention`` returns what CUDA's flash and memory-efficient kernels return: a
+(B, H, T, D) view of a (B, T, H, D) buffer (a ``.view`` that merges heads with tokens or groups
+fails, as it does on a GPU), and, for a query that sees no key, the mean of the values instead of
+the CPU kernel's zeros. ``native`` leaves the CPU kernel as it is. On CUDA the kernels are real.
+
 Tolerances. ``TOLERANCES`` is the one per-dtype table of the largest max-abs difference each kind
 of comparison accepts; ``atol(kind, dtype)`` reads it.
 """
@@ -80,7 +87,55 @@ def pytest_configure(config):
 
 
 def pytest_report_header(config):
-    return f"kvcache test device: {DEVICE} ({DEVICE_VARIABLE})"
+    layout = "native" if DEVICE.type != "cpu" else _layout_from_environment()
+    return f"kvcache test device: {DEVICE} ({DEVICE_VARIABLE}); attention layout: {layout} ({LAYOUT_VARIABLE})"
+
+
+# ---- CUDA's attention layout on the CPU ----------------------------------------------------------------
+
+LAYOUT_VARIABLE = "KVCACHE_TEST_LAYOUT"
+
+
+def _layout_from_environment() -> str:
+    value = os.environ.get(LAYOUT_VARIABLE, "").strip() or "cuda"
+    if value not in ("cuda", "native"):
+        raise pytest.UsageError(f"{LAYOUT_VARIABLE}={value!r}: use cuda (the default) or native")
+    return value
+
+
+_native_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+
+def sdpa_as_on_cuda(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """``F.scaled_dot_product_attention`` with its result laid out as CUDA's kernels lay it out.
+
+    query (B, Hq, T, D), key/value (B, Hkv, S, D) -> (B, Hq, T, D) strided as a transposed
+    (B, T, Hq, D) buffer. A query whose boolean mask row hides every key gets the mean of the
+    values (uniform weights), as CUDA's memory-efficient kernel gives it, where the CPU's gives 0.
+    No data-dependent branch: the step stays traceable by torch.compile."""
+    out = _native_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                       scale=scale, enable_gqa=enable_gqa)
+    if out.dim() != 4:
+        return out
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        blind = ~attn_mask.any(-1, keepdim=True)  # (B or 1, H or 1, T, 1)
+        mean = value.mean(-2, keepdim=True)  # (B, Hkv, 1, D)
+        mean = mean.repeat_interleave(out.shape[1] // value.shape[1], dim=1)
+        out = torch.where(blind, mean.to(out.dtype), out)
+    return out.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cuda_layout():
+    """Installs ``sdpa_as_on_cuda`` for the session when the suite runs on the CPU under
+    ``KVCACHE_TEST_LAYOUT=cuda`` (the default); yields the layout in force."""
+    layout = "native" if DEVICE.type != "cpu" else _layout_from_environment()
+    if layout == "native":
+        yield layout
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa_as_on_cuda)
+        yield layout
 
 
 @pytest.fixture(scope="session")

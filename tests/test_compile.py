@@ -214,3 +214,91 @@ def test_bad_tokens_are_rejected_before_the_step(tiny):
         with pytest.raises(ValueError, match="shape"):
             decode(ids_for(2))
     assert cache.lengths.tolist() == [10] and torch.equal(cache.layers[0].storage.pos, before)
+
+
+class Recorder:
+    """A ``torch.compile`` backend that runs each graph as traced and records its inputs: the name
+    of each, whether dynamo passes it as a static address (parameters and buffers are; so must
+    every tensor the cache holds), and which inputs a call mutated (by their version counters:
+    run the step outside inference mode)."""
+
+    def __init__(self) -> None:
+        self.static: dict[str, bool] = {}
+        self.mutated: set[str] = set()
+
+    def __call__(self, gm, example_inputs):
+        names = [node.name for node in gm.graph.nodes if node.op == "placeholder"]
+        for node in gm.graph.nodes:
+            if node.op == "placeholder":
+                self.static[node.name] = bool(node.meta.get("tensor_dict", {}).get("_dynamo_static_input_type"))
+
+        def run(*args):
+            before = [a._version for a in args]
+            out = gm(*args)
+            self.mutated.update(name for name, a, v in zip(names, args, before) if a._version != v)
+            return out
+
+        return run
+
+
+@pytest.mark.parametrize("name,options", CASES + [("h2o", {"head_budgets": [[6, 10], [8, 8]], "recent": 2})],
+                         ids=lambda x: str(x))
+def test_captured_step_reads_and_writes_static_addresses_only(tiny, name, options):
+    """What a CUDA graph needs of the step, checked on any device: every graph input but the
+    tokens is a static address, the tokens are not written, and the step advances the cache's
+    device lengths itself. (Inductor skips CUDA graphs for a step that mutates a non-static
+    input, and copies every non-static input into the graph's memory on each replay.)"""
+    recorder = Recorder()
+    C = 24 if name.startswith("dense") else 9
+    ids = ids_for(16, batch=2, seed=3)
+    cache = kvcache.make_cache(tiny, name, cache_length=C, batch_size=2, **options)
+    decode = CompiledDecode(tiny, cache, backend=recorder)
+    with torch.no_grad():
+        tiny(ids[:, :10], cache, n_tokens=[10, 7])
+        for t in range(10, 16):
+            decode(ids[:, t : t + 1])
+    others = {input_name for input_name, static in recorder.static.items() if not static}
+    assert others == {"l_tokens_"}, others
+    assert not recorder.mutated & others
+    assert any("device_lengths" in input_name for input_name in recorder.mutated), recorder.mutated
+    assert cache.lengths.tolist() == [16, 13] and cache.device_lengths.tolist() == [16, 13]
+
+
+class HostCopies(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records every copy of a CPU tensor to another device made under it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.copies: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default:
+            source, target = args[0], kwargs.get("device") or args[0].device
+        elif func is torch.ops.aten.copy_.default:
+            source, target = args[1], args[0].device
+        else:
+            return func(*args, **kwargs)
+        if isinstance(source, torch.Tensor) and source.device.type == "cpu" and torch.device(target).type != "cpu":
+            self.copies.append(f"{func}: {tuple(source.shape)} {source.dtype}")
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("name,options", CASES, ids=lambda x: str(x))
+def test_eager_decode_steps_make_nothing_on_the_host(tiny, name, options):
+    """A decode step copies nothing from the host and reads nothing back, checked on the CPU by
+    running the model and its cache on the meta device: there a host read (``.item()``,
+    ``int()``, ``.tolist()``) of a device tensor fails, a CPU tensor mixed into device work
+    fails, and a host-to-device copy is recorded (a GPU would pay a transfer for each, per step).
+    The steps run past cache_length, so evicting policies evict."""
+    with torch.device("meta"):
+        model = kvcache.Transformer(tiny.config)
+    model.eval()
+    C = 12 if name.startswith("dense") else 6
+    cache = kvcache.make_cache(model, name, cache_length=C, batch_size=2, **options)
+    tokens = torch.zeros(2, 1, dtype=torch.long, device="meta")
+    with torch.inference_mode(), HostCopies() as recorded:
+        for _ in range(C):
+            logits = model.decode(tokens, cache)
+    assert recorded.copies == [] and logits.shape == (2, VOCAB)
+    assert cache.lengths.tolist() == [C, C]

@@ -175,7 +175,7 @@ def test_top_k_1_and_tiny_top_p_are_greedy(llama):
 
 def test_sample_top_k_keeps_the_k_best():
     logits = torch.tensor([[0.0, 3.0, 2.0, 1.0, -1.0, 2.5]], device=DEVICE).repeat(500, 1)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(device=DEVICE).manual_seed(0)
     drawn = sample(logits, 1.0, 3, None, g)
     assert set(drawn.tolist()) == {1, 2, 5}
 
@@ -183,11 +183,19 @@ def test_sample_top_k_keeps_the_k_best():
 def test_sample_top_p_keeps_the_nucleus():
     probs = torch.tensor([0.1, 0.4, 0.2, 0.3], device=DEVICE)
     logits = probs.log().repeat(2000, 1)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(device=DEVICE).manual_seed(0)
     # 0.4 alone is below 0.5, so 0.3 joins; 0.4 + 0.3 covers 0.5, so nothing else does.
     assert set(sample(logits, 1.0, None, 0.5, g).tolist()) == {1, 3}
     assert set(sample(logits, 1.0, None, 0.4, g).tolist()) == {1}
     assert set(sample(logits, 1.0, None, 1.0, g).tolist()) == {0, 1, 2, 3}
+
+
+def test_sample_refuses_a_generator_on_another_device():
+    """A generator drives sampling on its own device only (a CPU generator fails on CUDA logits):
+    the mismatch is named before anything is drawn. On the CPU, a meta generator stands in."""
+    logits = torch.zeros(2, 5, device="meta" if DEVICE.type == "cpu" else DEVICE)
+    with pytest.raises(ValueError, match="generator is on cpu but the logits are on"):
+        sample(logits, 1.0, None, None, torch.Generator())
 
 
 def test_sample_temperature_zero_is_argmax():
@@ -197,7 +205,7 @@ def test_sample_temperature_zero_is_argmax():
 
 def test_sample_temperature_sharpens():
     logits = torch.tensor([[0.0, 1.0]], device=DEVICE).repeat(4000, 1)
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(device=DEVICE).manual_seed(0)
     hot = sample(logits, 4.0, None, None, g).float().mean()
     cold = sample(logits, 0.25, None, None, g).float().mean()
     # P(token 1): sigmoid(1/4) = 0.56 hot, sigmoid(4) = 0.98 cold

@@ -18,7 +18,7 @@ LOWER = {
     "kvcache.attention": {"kvcache.quant", "kvcache.kernels"},
 }
 # Modules everything may import: they import nothing of kvcache.
-LEAVES = {"kvcache.errors"}
+LEAVES = {"kvcache.errors", "kvcache.devices"}
 # Integrations, front ends and the report that compares engines: nothing in the library below
 # them imports them.
 TOP = {"kvcache.hf", "kvcache.vllm", "kvcache.cli", "kvcache.train", "kvcache.eval", "kvcache.drift"}

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .. import devices
 from ..errors import CapacityError
 from . import snapshot as snapshots
 from .options import NoOptions
@@ -63,6 +64,8 @@ class CacheSpec:
     out_proj: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        # One form per device (cuda -> cuda:0, cpu:0 -> cpu), so that comparing it with a tensor's is exact.
+        object.__setattr__(self, "device", devices.canonical(self.device))
         if self.batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {self.batch_size}")
         if self.cache_length <= 0:
@@ -284,6 +287,11 @@ class KVCache:
     ``lengths``: (B,) long, CPU. The tokens each row has seen since the last ``reset``, which
     is the position the row's next token takes. It is not the number of slots a row holds: an
     evicting cache holds at most ``cache_length`` of them.
+
+    ``device_lengths``: (B,) long, on the cache's device: the same counts, from which a decode
+    step takes its positions without a host-to-device copy. A decode step advances it on the
+    device (the captured one inside its graph); it is copied from ``lengths`` only when those
+    changed otherwise (a prefill chunk, a reset, a restore), at the next decode step.
     """
 
     def __init__(self, layers: list[LayerCache], spec: CacheSpec, policy: str) -> None:
@@ -294,6 +302,13 @@ class KVCache:
         # Tokens seen per row. Kept on the CPU: it drives Python-side decisions (capacity checks,
         # slicing) without a device synchronisation.
         self.lengths = torch.zeros(spec.batch_size, dtype=torch.long)
+        B, device = spec.batch_size, spec.device
+        self.device_lengths = torch.zeros(B, dtype=torch.long, device=device)
+        # What device_lengths holds, as the host knows it without reading the device.
+        self._mirrored = torch.zeros(B, dtype=torch.long)
+        # A decode step's constant fields (read only): every token real, each row's token at index 0.
+        self._decode_valid = torch.ones(B, 1, dtype=torch.bool, device=device)
+        self._decode_last = torch.zeros(B, dtype=torch.long, device=device)
         # The captured decode step over this cache, made by ``kvcache.compile.captured_decode``
         # on first use and kept here so that later generations replay it.
         self.captured = None
@@ -347,7 +362,7 @@ class KVCache:
             raise ValueError(
                 f"input_ids has batch size {B} but the cache was made for batch_size={self.batch_size}"
             )
-        if input_ids.device != self.spec.device:
+        if not devices.same(input_ids.device, self.spec.device):
             raise ValueError(f"input_ids is on {input_ids.device} but the cache is on {self.spec.device}")
         if n_tokens is None:
             n = torch.full((B,), T, dtype=torch.long)
@@ -363,17 +378,27 @@ class KVCache:
         start = self.lengths.clone()
         min_start, max_start = int(start.min()), int(start.max())
         all_full = n_tokens is None or bool((n == T).all())
-        dev = self.spec.device
-        t = torch.arange(T)
-        positions = start[:, None] + t
-        valid = t < n[:, None]
-        append_slot = torch.where(valid, positions, torch.full_like(positions, self.cache_length))
+        decode = T == 1 and all_full
+        if decode:
+            # Every field on the device from the device's own lengths: no host-to-device copy.
+            positions = self.decode_positions()[:, None].clone()
+            valid, append_slot, last_index = self._decode_valid, positions, self._decode_last
+            newest = positions[:, 0]
+        else:
+            # A chunk's fields are made on the host and copied, once per chunk.
+            dev = self.spec.device
+            t = torch.arange(T)
+            positions = start[:, None] + t
+            valid = t < n[:, None]
+            append_slot = torch.where(valid, positions, torch.full_like(positions, self.cache_length)).to(dev)
+            positions, valid = positions.to(dev), valid.to(dev)
+            last_index, newest = (n - 1).clamp(min=0).to(dev), (start + n - 1).to(dev)
         step = Step(
-            positions=positions.to(dev),
-            valid=valid.to(dev),
-            append_slot=append_slot.to(dev),
-            last_index=(n - 1).clamp(min=0).to(dev),
-            newest=(start + n - 1).to(dev),
+            positions=positions,
+            valid=valid,
+            append_slot=append_slot,
+            last_index=last_index,
+            newest=newest,
             start=start,
             n_tokens=n,
             fresh=max_start == 0,
@@ -381,7 +406,7 @@ class KVCache:
             span_end=max_start + T if all_full else int((start + n).max()),
             min_start=min_start,
             start0=int(start[0]),
-            decode=T == 1 and all_full,
+            decode=decode,
         )
         for layer in self.layers:
             layer.check(step)
@@ -390,14 +415,26 @@ class KVCache:
     def commit(self, step: Step) -> None:
         """Advance each row by the chunk's real tokens (called after the last layer)."""
         if step.decode:
+            self.device_lengths += 1  # on the device, as the captured step does in its graph
             self.advance_decode()
         else:
             self.lengths += step.n_tokens
 
+    def decode_positions(self) -> torch.Tensor:
+        """``device_lengths`` (B,), up to date: copied from ``lengths`` if they changed other than
+        by decode steps since the last copy (one host-to-device copy after a prefill, none
+        between decode steps)."""
+        if not torch.equal(self.lengths, self._mirrored):
+            self.device_lengths.copy_(self.lengths)
+            self._mirrored.copy_(self.lengths)
+        return self.device_lengths
+
     def advance_decode(self) -> None:
-        """Advance every row by one token after a decode step, eager (through ``commit``) or
-        captured (compile.py, outside the captured graph)."""
+        """The host's bookkeeping after a decode step, eager (through ``commit``) or captured
+        (compile.py, outside the captured graph): every row one token longer. The step itself
+        advanced ``device_lengths``."""
         self.lengths += 1
+        self._mirrored += 1
         for layer in self.layers:
             layer.advance_decode()
 

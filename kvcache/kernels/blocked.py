@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import devices
 from ..quant.packed import CHANNEL, RESIDUAL, TOKEN, PackedKeys, PackedValues, as_float
 from .visibility import visibility
 
@@ -58,9 +59,9 @@ def _blocks(k: PackedKeys, block_bytes: int = BLOCK_BYTES) -> list[tuple[int, in
 
 def _presence(k: PackedKeys, blocks: list[tuple[int, int]]) -> list[tuple[bool, bool, bool]] | list[None]:
     """For each block of a KIVI view, whether it holds CHANNEL, TOKEN and RESIDUAL keys: one host
-    read per call rather than several per block (None for blocks of other views, and while
-    compiling, when every branch is computed)."""
-    if k.mode is None or torch.compiler.is_compiling():
+    read per call rather than several per block (None for blocks of other views, and where a host
+    read is not free: then every branch is computed)."""
+    if k.mode is None or not devices.host_reads_free(k.mode):
         return [None] * len(blocks)
     S = k.slots
     edges = torch.tensor([min(s0, S) for s0, _ in blocks] + [S], device=k.mode.device)

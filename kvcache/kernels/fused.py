@@ -86,7 +86,12 @@ class Fold:
         if vis is not None and vis.shape[1] > 1 and G > 1:
             vis = vis.repeat_interleave(G, dim=1)  # per K/V head -> per query head
         if self.single:
-            self.acc[rows, :, t0:t1] = F.scaled_dot_product_attention(q, k, v, attn_mask=vis, enable_gqa=G > 1)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=vis, enable_gqa=G > 1)
+            if vis is not None:
+                # A query that sees no key (padding) gets 0, as ``out`` promises: the CPU's kernel
+                # gives 0 there, CUDA's memory-efficient kernel the mean of the values.
+                out = out.masked_fill(~vis.any(-1, keepdim=True), 0.0)
+            self.acc[rows, :, t0:t1] = out
             return
         if vis is None:
             self._fold(rows, t0, t1, *_fused(q, k, v, None))

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import devices
 from .codes import unpack
 
 # Key layouts, per slot (``PackedKeys.mode``).
@@ -274,8 +275,9 @@ def as_float(codes: torch.Tensor, bits: int, work: torch.Tensor | None = None) -
 
 
 def _any(mask: torch.Tensor) -> bool:
-    """Whether any element is set; True while compiling (no host read: every branch is computed)."""
-    return torch.compiler.is_compiling() or bool(mask.any())
+    """Whether any element is set; True where a host read is not free (compiling, or off the
+    CPU): every branch is computed."""
+    return not devices.host_reads_free(mask) or bool(mask.any())
 
 
 def _rows_of(residual: torch.Tensor, res_start: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import attention
+from .. import attention, devices
 from ..cache.base import LayerCache, Step
 from ..cache.evicting import EvictingCache
 from ..cache.headwise import HeadwiseCache
@@ -46,7 +46,7 @@ class KeyValueStore:
     """
 
     def __init__(self, length: int, device: torch.device) -> None:
-        self.length, self.device = length, torch.device(device)
+        self.length, self.device = length, devices.canonical(device)
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
 

@@ -61,7 +61,10 @@ def test_blocks_fold_to_one_call_over_the_decoded_slots(small_blocks, name, dtyp
     got = attend_decoded(q, k, v, q_pos, k_pos, window=window)
     want = attention.masked(q, k.decoded(), v.decoded(), q_pos, k_pos, window=window)
     assert got.dtype == dtype
-    assert max_diff(got, want) <= CACHE_ATOL[dtype]
+    # Padding queries' outputs are kernel-defined in the reference (0 on the CPU, the mean of the
+    # values on CUDA) and never read; attend_decoded gives them 0 on every device.
+    real = q_pos[:, None, :, None] >= 0
+    assert max_diff(got * real, want * real) <= CACHE_ATOL[dtype]
     assert got[1, :, -3:].abs().max() == 0
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from ... import devices
 from ...kernels import fused
 from ...quant.codes import KEY_TOKEN_SCALE, VALUE_GROUPS, encode_tokens, key_clip, pack, quantize, quantize_scaled, unpack
 from ...quant.packed import CHANNEL, RESIDUAL, TOKEN, PackedKeys, PackedValues, after
@@ -220,7 +221,7 @@ class KiviStorage(TokenStorage):
         seal = resid & (offset == G - 1)
         # On the CPU, eager, a step that completes no group skips the sealing below (it would
         # change nothing; a host read costs nothing there). Captured or on a GPU it always runs.
-        if torch.compiler.is_compiling() or s.device.type != "cpu" or bool(seal.any()):
+        if not devices.host_reads_free(seal) or bool(seal.any()):
             self._seal_one(seal, group)
         self.fill.copy_(torch.where(seal, 0, fill))
         self.res_start.copy_(torch.where(seal, -1, res_start))
