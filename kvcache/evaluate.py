@@ -97,7 +97,8 @@ def evaluate(model, tokenizer, filler: torch.Tensor, held_out: torch.Tensor, gri
              protocols: tuple[str, ...] = PROTOCOLS, progress: bool = True) -> dict:
     """Run the grid. filler: token stream for passkey contexts; held_out: (N,) text for streaming."""
     cells = _cells(grid)
-    ids = held_out[None, : grid.stream_tokens]
+    # Token streams are read on the CPU (read_texts); the model may be elsewhere.
+    ids = held_out[None, : grid.stream_tokens].to(model.embed_tokens.weight.device)
     with torch.inference_mode():
         reference = F.log_softmax(model(ids)[0, :-1].float(), dim=-1)
     report: dict = {"grid": grid.__dict__, "streaming": [], "passkey": []}

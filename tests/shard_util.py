@@ -41,7 +41,7 @@ def build(ckpt: str, lora: bool) -> torch.nn.Module:
 def batch(rows: int, T: int, ragged: bool) -> tuple:
     """ids, labels (some ignored, so ranks hold different target counts) and weights, (rows, T);
     ``ragged``: lists of rows of T, T - 7, T - 13 ... tokens instead."""
-    ids = token_ids(T, batch=rows, seed=7)
+    ids = token_ids(T, batch=rows, seed=7).cpu()  # gloo ranks run on the CPU whatever the test device
     labels = ids.clone()
     labels[0, 2:9] = -100
     weights = 1.0 + torch.rand(rows, T, generator=torch.Generator().manual_seed(3))
@@ -98,7 +98,7 @@ def failing_rank(rank: int, world: int, port: int, ckpt: str, mode: str) -> None
     torch.set_num_threads(1)
     init_distributed(timeout=20)
     sharded = shard(build(ckpt, False), "ddp")
-    ids = token_ids(16, batch=1, seed=rank)
+    ids = token_ids(16, batch=1, seed=rank).cpu()
     if rank == 1 and mode == "raise":
         ids = ids[:, :1]  # one token: nothing to predict
     if rank == 1 and mode == "vanish":

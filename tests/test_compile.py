@@ -182,8 +182,9 @@ def test_a_full_dense_cache_is_rejected_before_running(tiny):
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="needs KVCACHE_TEST_DEVICE=cuda")
 @pytest.mark.parametrize("name", ["dense", "window", "sink", "h2o", "tova", "snapkv", "dense:int8"])
 def test_decode_steps_do_not_synchronise_with_the_host_on_cuda(tiny, name):
-    """Neither the eager nor the captured decode step waits for the GPU: under
-    ``torch.cuda.set_sync_debug_mode("error")`` any synchronising call raises."""
+    """Neither the eager nor the captured decode step of sampled tokens (``Transformer.decode``,
+    ``CompiledDecode.step``) waits for the GPU: under ``torch.cuda.set_sync_debug_mode("error")``
+    any synchronising call raises. (Ids from elsewhere are checked on the host, which waits.)"""
     model = kvcache.Transformer(tiny.config)
     model.load_state_dict(tiny.state_dict())
     model = model.to(DEVICE).eval()
@@ -192,7 +193,7 @@ def test_decode_steps_do_not_synchronise_with_the_host_on_cuda(tiny, name):
         cache = kvcache.make_cache(model, name, cache_length=24 if name.startswith("dense") else 8, batch_size=2)
         with torch.inference_mode():
             model(ids[:, :10], cache, n_tokens=[10, 7])
-            step = CompiledDecode(model, cache) if captured else (lambda tokens: model(tokens, cache)[:, -1])
+            step = CompiledDecode(model, cache).step if captured else (lambda tokens: model.decode(tokens, cache))
             step(ids[:, 10:11])  # the first call may compile, which synchronises
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")

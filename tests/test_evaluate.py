@@ -126,7 +126,7 @@ def test_bad_task_arguments_are_rejected(setup):
 
 def test_streaming_dense_is_the_plain_forward(setup):
     _, _, model, _, stream = setup
-    ids = stream[None, :96]
+    ids = stream[None, :96].to(DEVICE)
     with torch.inference_mode():
         reference = F.log_softmax(model(ids)[0, :-1].float(), dim=-1)
         dense = streaming(model, ids, "dense", 96, 16, reference)

@@ -29,7 +29,9 @@ from kvcache.prefix import INDEX, PrefixStore
 sys.path.insert(0, str(Path(__file__).parent / "cache"))
 from policy_util import build_tiny  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+# A forked child cannot use CUDA once its parent has: the model and stores live on the CPU.
+pytestmark = [pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork"),
+              pytest.mark.cpu_only("loads each file in a forked child, which cannot use CUDA")]
 
 VOCAB = 64
 HEADROOM = 1 << 30
@@ -76,7 +78,7 @@ def _split(blob: bytes) -> tuple[dict, bytes]:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return build_tiny(tmp_path_factory.mktemp("hostile_model"), layers=2, vocab=VOCAB)
+    return build_tiny(tmp_path_factory.mktemp("hostile_model"), layers=2, vocab=VOCAB, device="cpu")
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,9 @@ import kvcache
 sys.path.insert(0, str(Path(__file__).parent / "cache"))
 from policy_util import build_tiny  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+# A forked child cannot use CUDA once its parent has: the stores' models live on the CPU.
+pytestmark = [pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork"),
+              pytest.mark.cpu_only("forks writers, and a forked child cannot use CUDA")]
 
 VOCAB = 64
 KILLS = 50
@@ -35,7 +37,7 @@ KILLS = 50
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return build_tiny(tmp_path_factory.mktemp("crash_model"), layers=2, vocab=VOCAB)
+    return build_tiny(tmp_path_factory.mktemp("crash_model"), layers=2, vocab=VOCAB, device="cpu")
 
 
 def _prompts(seed: int, n: int = 4) -> list[list[int]]:

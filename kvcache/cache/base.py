@@ -425,8 +425,11 @@ class KVCache:
         by decode steps since the last copy (one host-to-device copy after a prefill, none
         between decode steps)."""
         if not torch.equal(self.lengths, self._mirrored):
-            self.device_lengths.copy_(self.lengths)
-            self._mirrored.copy_(self.lengths)
+            # A cache made under inference mode holds inference tensors, which only inference
+            # mode may write (a call outside it is rejected by the checks that follow, not here).
+            with torch.inference_mode(self.device_lengths.is_inference()):
+                self.device_lengths.copy_(self.lengths)
+                self._mirrored.copy_(self.lengths)
         return self.device_lengths
 
     def advance_decode(self) -> None:

@@ -90,9 +90,16 @@ def _fp16(x: torch.Tensor, up: bool) -> torch.Tensor:
 
 
 def _range(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp16 scale and zero point of the range [lo, hi] (float32), rounded outward."""
+    """fp16 scale and zero point of the range [lo, hi] (float32), rounded outward: the scale is
+    the smallest fp16 whose ``levels(bits)`` steps cover hi - zero, on every device. (CUDA divides
+    by a Python number as a multiplication by its reciprocal, an ulp off the CPU's division, which
+    rounded up can give the next fp16: then a round trip would not give back its codes.)"""
     zero = _fp16(lo, up=False)
-    return _fp16((hi - zero.float()) / levels(bits), up=True), zero
+    span, n = hi - zero.float(), levels(bits)
+    scale = _fp16(span / n, up=True)
+    # fp16 times n < 256 is exact in float32, so this test is the same everywhere.
+    below = torch.nextafter(scale, torch.full_like(scale, float("-inf")))
+    return torch.where(below.float() * n >= span, below, scale), zero
 
 
 def _codes(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:

@@ -26,9 +26,10 @@ EXACT_ATOL = CACHE_ATOL
 
 
 def build_tiny(path: Path, *, layers: int, hidden: int = 32, heads: int = 4, kv_heads: int = 2,
-               vocab: int = 64, seed: int = 0, max_positions: int = 4096) -> kvcache.Transformer:
+               vocab: int = 64, seed: int = 0, max_positions: int = 4096,
+               device: torch.device | str = DEVICE) -> kvcache.Transformer:
     """A tiny random Llama saved with ``save_pretrained`` into ``path`` and loaded by kvcache (fp32) on
-    the test device."""
+    ``device`` (the test device)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(seed)
@@ -51,7 +52,7 @@ def build_tiny(path: Path, *, layers: int, hidden: int = 32, heads: int = 4, kv_
                 scale = 2.0 if name.endswith(("q_proj.weight", "k_proj.weight")) else 1.0
                 p.copy_(scale * torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
     hf.save_pretrained(path)
-    return kvcache.load(path, dtype=torch.float32, device=DEVICE)
+    return kvcache.load(path, dtype=torch.float32, device=device)
 
 
 def ids_for(n: int, batch: int = 1, seed: int = 0, vocab: int = 64) -> torch.Tensor:

@@ -272,6 +272,19 @@ def test_per_channel_error_is_within_half_a_step(bits):
     assert bool(((y - x).abs() <= scale.float() / 2 * (1 + 1e-3)).all())
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_scales_are_the_smallest_fp16_covering_the_range(bits):
+    """Whatever rounding the device's division has (CUDA multiplies by the reciprocal of a Python
+    number), the scale is the smallest fp16 whose steps cover the range, so a decoded group
+    encodes to the same codes again."""
+    gen = torch.Generator().manual_seed(bits)
+    x = (torch.randn(64, 4096, generator=gen) * torch.logspace(-3, 3, 64)[:, None]).to(DEVICE)
+    _, scale, zero = quantize(x, bits, dim=-1)
+    span, n = x.amax(-1, keepdim=True) - zero.float(), 2**bits - 1
+    below = torch.nextafter(scale, torch.full_like(scale, float("-inf")))
+    assert bool((scale.float() * n >= span).all()) and not bool((below.float() * n >= span).any())
+
+
 def test_constant_groups_come_back_exactly():
     x = torch.full((1, 1, 3, 16), 0.25, device=DEVICE)
     codes, meta = encode_tokens(x, 4, 16)

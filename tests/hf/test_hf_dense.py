@@ -94,7 +94,7 @@ def test_right_padding_fed_by_hand_equals_rows_alone():
     with torch.no_grad():
         cache = kvcache.hf.make_cache(model, "dense", cache_length=14, batch_size=2)
         first = model(ids, attention_mask=mask, **cache_kwargs(cache)).logits
-        positions = cache.lengths[:, None] + torch.arange(2, device=DEVICE)
+        positions = cache.lengths[:, None].to(DEVICE) + torch.arange(2, device=DEVICE)  # lengths: CPU
         mask = torch.cat([mask, torch.ones(2, 2, dtype=torch.long, device=DEVICE)], dim=1)
         second = model(nxt, attention_mask=mask, position_ids=positions, **cache_kwargs(cache)).logits
         for row, (real, n) in enumerate(((a, 12), (b, 9))):

@@ -33,7 +33,7 @@ def models(checkpoint_factory, model_factory):
     from transformers import AutoModelForCausalLM
 
     path = checkpoint_factory("llama").path
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(DEVICE).eval()
     return hf, model_factory("llama")
 
 

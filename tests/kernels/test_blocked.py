@@ -185,4 +185,6 @@ def test_nothing_decodes_a_whole_cache(llama, monkeypatch, policy):
         for t in range(130, 180):
             llama(ids[:, t : t + 1], cache)
     # A block holds whole key groups: 64 slots for int4 and int2, BLOCK for per-token layouts.
-    assert largest and max(largest) <= max(blocked.BLOCK, cache.layers[0].storage.__dict__.get("key_group", 0))
+    # On CUDA the Triton kernel reads decode steps' codes in place: no block is converted at all.
+    assert largest or DEVICE.type == "cuda"
+    assert max(largest, default=0) <= max(blocked.BLOCK, cache.layers[0].storage.__dict__.get("key_group", 0))
