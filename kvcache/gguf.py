@@ -1,0 +1,300 @@
+"""GGUF checkpoints (llama.cpp's single-file format) of the Llama family: config, weights, tokenizer.
+
+A GGUF file holds a model's configuration and tokenizer as metadata and its weights as tensors,
+most of them quantized in blocks (Q8_0, Q4_1, Q4_K, ...). ``read`` turns one into what a
+Hugging Face checkpoint directory holds: a ``config.json`` dictionary, float32 tensors under
+Hugging Face names, and a ``tokenizers`` tokenizer with its ``tokenizer_config.json`` fields, so
+that ``checkpoint.load`` and ``load_tokenizer`` treat both formats alike.
+
+What changes on the way:
+- names: ``blk.{i}.attn_q.weight`` is ``model.layers.{i}.self_attn.q_proj.weight``, and so on;
+- the rotary layout: llama.cpp's converter reorders the rows of a Llama query and key projection
+  so that the two halves a rotation pairs sit next to each other (interleaved pairs); kvcache, like
+  transformers, rotates first half against second half, so those rows are put back. Qwen files are
+  written without the reordering;
+- blocks of codes are dequantized by the ``gguf`` package (``pip install gguf``).
+
+A file is checked before anything is built from it: its magic, every tensor inside the file's
+bytes (a truncated file is refused, never read past its end), each tensor's type among
+``TENSOR_TYPES``, and an architecture of ``ARCHITECTURES``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .errors import CheckpointError
+
+MAGIC = b"GGUF"
+# general.architecture -> (config.json model_type, whether llama.cpp reordered the Q/K rows).
+ARCHITECTURES = {"llama": ("llama", True), "mistral": ("mistral", True), "qwen2": ("qwen2", False),
+                 "qwen3": ("qwen3", False)}
+# Tensor types read (the gguf package dequantizes each block type to float32).
+TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# tokenizer.ggml.token_type values.
+_CONTROL, _USER_DEFINED = 3, 4
+# How text is split into words before BPE, by tokenizer.ggml.pre, where it is not GPT-2's split:
+# the expressions of the models' own tokenizer.json files (Qwen2 keeps digits apart, Llama 3
+# groups up to three).
+_WORDS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|DIGITS| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+SPLITS = {
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), _WORDS.replace("DIGITS", r"\p{N}")),
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "smaug-bpe"), _WORDS.replace("DIGITS", r"\p{N}{1,3}")),
+}
+
+
+@dataclass
+class GGUFCheckpoint:
+    """What a Hugging Face checkpoint directory would hold, read from one GGUF file.
+
+    config: the ``config.json`` dictionary; tensors: float32 tensors under Hugging Face names
+    (empty when read with ``weights=False``); tokenizer: a ``tokenizers.Tokenizer``;
+    tokenizer_config: ``tokenizer_config.json``'s fields (special tokens, chat template).
+    """
+
+    config: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+    tokenizer: Any
+    tokenizer_config: dict[str, Any]
+
+
+def is_gguf(path: str | Path) -> bool:
+    """Whether ``path`` is a regular file that starts with GGUF's magic bytes."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    with path.open("rb") as f:
+        return f.read(4) == MAGIC
+
+
+def read(path: str | Path, *, weights: bool = True) -> GGUFCheckpoint:
+    """Read the GGUF file ``path`` (see the module docstring); ``weights=False`` reads the
+    metadata and checks the tensors without dequantizing them."""
+    path = Path(path)
+    reader = _open(path)
+    fields = _Fields(reader, path)
+    arch = fields.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise CheckpointError(f"{path} holds a {arch!r} model; GGUF files of these architectures load: "
+                              f"{', '.join(sorted(ARCHITECTURES))}")
+    model_type, reordered = ARCHITECTURES[arch]
+    names = {t.name for t in reader.tensors}
+    config = _config(fields, arch, model_type, names)
+    tensors = {}
+    for t in reader.tensors:
+        hf = _hf_name(t.name)
+        if hf is None:
+            raise CheckpointError(f"{path} holds tensor {t.name!r}, which kvcache does not know how to use "
+                                  "(llama.cpp's rope_freqs and other extras are not supported)")
+        if t.tensor_type.name not in TENSOR_TYPES:
+            raise CheckpointError(f"tensor {t.name!r} of {path} has type {t.tensor_type.name}; the types read are "
+                                  f"{', '.join(TENSOR_TYPES)}")
+        if weights:
+            tensors[hf] = _tensor(t, path)
+    if reordered and weights:
+        for name, tensor in tensors.items():
+            if ".q_proj." in name:
+                tensors[name] = _unreorder(tensor, config["num_attention_heads"])
+            elif ".k_proj." in name:
+                tensors[name] = _unreorder(tensor, config["num_key_value_heads"])
+    tokenizer, tokenizer_config = _tokenizer(fields, path)
+    return GGUFCheckpoint(config, tensors, tokenizer, tokenizer_config)
+
+
+# ----- the file ---------------------------------------------------------------------------------
+
+
+def _open(path: Path):
+    if not path.is_file():  # a pipe or a device would block or never end
+        raise CheckpointError(f"{path} is not a regular file")
+    if not is_gguf(path):
+        raise CheckpointError(f"{path} is not a GGUF file (it does not start with the bytes 'GGUF')")
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise CheckpointError("reading GGUF files needs the gguf package: pip install gguf") from None
+    try:
+        reader = GGUFReader(str(path), "r")
+    except Exception as e:  # the reader raises several types for truncated or corrupt files
+        raise CheckpointError(f"cannot read {path}: it is corrupt or truncated ({type(e).__name__}: {e})") from None
+    size = path.stat().st_size
+    for t in reader.tensors:
+        # The reader maps the file: a tensor that does not fit in it comes back short.
+        if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
+            raise CheckpointError(f"{path} is truncated: tensor {t.name!r} needs bytes up to "
+                                  f"{t.data_offset + t.n_bytes}, the file has {size}")
+    return reader
+
+
+class _Fields:
+    """Metadata of one file by key, read on demand: ``get`` a value, ``need`` one that must be there."""
+
+    def __init__(self, reader, path: Path) -> None:
+        self.fields, self.path = reader.fields, path
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self.fields.get(key)
+        if field is None:
+            return default
+        try:
+            return field.contents()
+        except Exception as e:
+            raise CheckpointError(f"cannot read metadata {key!r} of {self.path} ({e})") from None
+
+    def need(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise CheckpointError(f"{self.path} has no metadata {key!r}, which a model of its architecture needs")
+        return value
+
+
+def _config(fields: _Fields, arch: str, model_type: str, names: set[str]) -> dict[str, Any]:
+    """config.json's fields from the metadata ``{arch}.*`` (and tokens, for the vocabulary size)."""
+    heads = fields.need(f"{arch}.attention.head_count")
+    hidden = fields.need(f"{arch}.embedding_length")
+    vocab = fields.get(f"{arch}.vocab_size")
+    if vocab is None:
+        vocab = len(fields.need("tokenizer.ggml.tokens"))
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": _decimal(fields.get(f"{arch}.rope.freq_base", 10000.0))}
+    scaling = fields.get(f"{arch}.rope.scaling.type")
+    if scaling == "linear":
+        rope = {**rope, "rope_type": "linear", "factor": float(fields.need(f"{arch}.rope.scaling.factor"))}
+    elif scaling not in (None, "none"):
+        raise CheckpointError(f"{fields.path} uses {scaling!r} rope scaling; GGUF files with none or linear load")
+    config = {
+        "model_type": model_type,
+        "vocab_size": int(vocab),
+        "hidden_size": int(hidden),
+        "intermediate_size": int(fields.need(f"{arch}.feed_forward_length")),
+        "num_hidden_layers": int(fields.need(f"{arch}.block_count")),
+        "num_attention_heads": int(heads),
+        "num_key_value_heads": int(fields.get(f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(fields.get(f"{arch}.attention.key_length", hidden // heads)),
+        "rms_norm_eps": _decimal(fields.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": int(fields.get(f"{arch}.context_length", 2048)),
+        "rope_parameters": rope,
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "bos_token_id": fields.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": fields.get("tokenizer.ggml.eos_token_id"),
+    }
+    window = fields.get(f"{arch}.attention.sliding_window")
+    if window:
+        config["sliding_window"] = int(window)
+    return config
+
+
+def _decimal(value: Any) -> float:
+    """A float32 metadata value as the decimal it was written from (1e-05, not 9.99999974e-06):
+    the shortest decimal that reads back as the same float32."""
+    import numpy as np
+
+    return float(str(np.float32(value)))
+
+
+def _hf_name(name: str) -> str | None:
+    """The Hugging Face name of GGUF tensor ``name``, or None for one kvcache has no use for."""
+    top, _, kind = name.rpartition(".")
+    if top in _TOP_NAMES and kind in ("weight", "bias"):
+        return f"{_TOP_NAMES[top]}.{kind}"
+    m = _LAYER_TENSOR.fullmatch(name)
+    if m is None or m.group(2) not in _LAYER_NAMES:
+        return None
+    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+def _tensor(t, path: Path) -> torch.Tensor:
+    """One tensor as float32, in the Hugging Face shape (GGUF lists dimensions innermost first)."""
+    from gguf import quants
+
+    try:
+        values = quants.dequantize(t.data, t.tensor_type)
+    except Exception as e:
+        raise CheckpointError(f"cannot dequantize tensor {t.name!r} of {path} ({type(e).__name__}: {e})") from None
+    shape = tuple(int(n) for n in reversed(t.shape))
+    # F32 tensors come back as views of the read-only mapped file: those are copied.
+    return torch.from_numpy(values.astype("float32", copy=not values.flags.writeable).reshape(shape))
+
+
+def _unreorder(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows of a query or key projection (or bias), (heads * D, ...), from llama.cpp's order, where
+    each head's rows pair up as (0, 1), (2, 3), ..., back to first half and second half."""
+    D = w.shape[0] // heads
+    rest = w.shape[1:]
+    return w.reshape(heads, D // 2, 2, *rest).transpose(1, 2).reshape(w.shape).contiguous()
+
+
+# ----- the tokenizer ------------------------------------------------------------------------------
+
+
+def _tokenizer(fields: _Fields, path: Path):
+    """A byte-level BPE ``tokenizers.Tokenizer`` from tokenizer.ggml.*, and tokenizer_config's fields."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    kind = fields.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise CheckpointError(f"{path} has a {kind!r} tokenizer; GGUF files with byte-level BPE ('gpt2') "
+                              "tokenizers load (convert the model's tokenizer.json alongside otherwise)")
+    tokens = list(fields.need("tokenizer.ggml.tokens"))
+    types = list(fields.get("tokenizer.ggml.token_type") or [])
+    merges = [tuple(m.split(" ", 1)) for m in fields.need("tokenizer.ggml.merges")]
+    alphabet = _byte_alphabet()
+    letters = set(alphabet.values())
+    # Tokens are stored in the byte-level alphabet; one that is not is spelled in it from its UTF-8.
+    spelled = [t if set(t) <= letters else "".join(alphabet[b] for b in t.encode("utf-8")) for t in tokens]
+    backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(spelled)}, merges=merges, fuse_unk=False))
+    split = SPLITS.get(fields.get("tokenizer.ggml.pre"))
+    if split is None:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # GPT-2's split
+    else:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    backend.decoder = decoders.ByteLevel()
+    # Control tokens (<|im_start|>, <|endoftext|>) match whole and are special; user-defined ones
+    # match whole. A "control" token outside the byte alphabet is a mislabel and is left alone.
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, kind_ in zip(tokens, types) if kind_ == _CONTROL and set(t) <= letters])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, kind_ in zip(tokens, types) if kind_ == _USER_DEFINED])
+    config: dict[str, Any] = {}
+    for key, field in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+                       ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
+        index = fields.get(f"tokenizer.ggml.{field}")
+        if index is not None and 0 <= int(index) < len(tokens):
+            config[key] = tokens[int(index)]
+    if fields.get("tokenizer.ggml.add_bos_token") and "bos_token" in config:
+        bos = config["bos_token"]
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, backend.token_to_id(bos))])
+    template = fields.get("tokenizer.chat_template")
+    if template is not None:
+        config["chat_template"] = template
+    return backend, config
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """The byte-level BPE alphabet: each byte as one printable character (printable Latin-1 bytes
+    as themselves, the others as the characters from U+0100 on, in byte order)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    alphabet = {b: chr(b) for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in alphabet:
+            alphabet[b] = chr(256 + extra)
+            extra += 1
+    return alphabet

@@ -1,0 +1,126 @@
+"""Writing GGUF files of tiny random models for the tests, as llama.cpp's converter writes them:
+llama.cpp's tensor names, the query and key rows of Llama files reordered into interleaved
+rotary pairs, each weight in the block type asked for, the tokenizer as tokenizer.ggml.* metadata.
+
+The ``gguf`` package quantizes F16, BF16, Q8_0, Q4_0 and Q4_1 but not the K-quants: a K-quant
+tensor is written as random blocks whose fp16 scales are set to small finite values, which
+decode to some weights like any other file's (both readers compared dequantize the same bytes).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+SUPER_BLOCK = 256
+# Per K-quant: bytes per 256 values, and the byte offsets of its fp16 scales within a block.
+K_QUANTS = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}
+
+_LAYER = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+_TOP = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+def gguf_name(hf_name: str) -> str:
+    base, _, kind = hf_name.rpartition(".")
+    if base in _TOP:
+        return f"{_TOP[base]}.{kind}"
+    _, _, i, rest = base.split(".", 3)
+    return f"blk.{i}.{_LAYER[rest]}.{kind}"
+
+
+def reorder(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's reordering of a query or key projection's rows: each head's halves interleaved."""
+    D = w.shape[0] // heads
+    return w.reshape(heads, 2, D // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _k_quant_blocks(shape: tuple[int, ...], kind: str, rng: np.random.Generator) -> np.ndarray:
+    size, scales = K_QUANTS[kind]
+    rows, cols = shape
+    blocks = rng.integers(0, 256, size=(rows, cols // SUPER_BLOCK, size), dtype=np.uint8)
+    for offset in scales:
+        d = rng.uniform(1e-3, 4e-3, size=(rows, cols // SUPER_BLOCK)).astype(np.float16)
+        blocks[..., offset : offset + 2] = d.view(np.uint8).reshape(rows, cols // SUPER_BLOCK, 2)
+    return blocks.reshape(rows, -1)
+
+
+def write_gguf(path: Path, model, tokenizer_dir: Path, *, arch: str = "llama", types=("F32",),
+               chat_template: str | None = None, seed: int = 0) -> list[str]:
+    """Write transformers ``model``'s config and weights, and ``tokenizer_dir``'s tokenizer.json,
+    as the GGUF file ``path``. 2-D weights take ``types`` in turn (norms and biases stay F32).
+    Returns the type each 2-D weight got, in order."""
+    import gguf
+
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if head_dim != cfg.hidden_size // cfg.num_attention_heads:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+
+    spec = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    special = {t["content"] for t in spec["added_tokens"] if t.get("special")}
+    tokens = sorted(vocab, key=vocab.get)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2" if arch == "qwen2" else "default")  # as llama.cpp names them
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in special else 1 for t in tokens])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]])
+    config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    writer.add_bos_token_id(vocab[config["bos_token"]])
+    writer.add_eos_token_id(vocab[config["eos_token"]])
+    writer.add_add_bos_token(True)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
+
+    rng = np.random.default_rng(seed)
+    given = []
+    state = model.state_dict()
+    for name, tensor in state.items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        w = tensor.detach().float().numpy()
+        if arch in ("llama", "mistral") and (".q_proj." in name or ".k_proj." in name):
+            w = reorder(w, cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads)
+        kind = "F32" if w.ndim == 1 else types[len(given) % len(types)]
+        if w.ndim == 2:
+            given.append(kind)
+        if kind in K_QUANTS:
+            writer.add_tensor(gguf_name(name), _k_quant_blocks(w.shape, kind, rng),
+                              raw_dtype=gguf.GGMLQuantizationType[kind])
+        elif kind in ("F32", "F16"):
+            writer.add_tensor(gguf_name(name), w.astype(np.float32 if kind == "F32" else np.float16))
+        else:
+            qtype = gguf.GGMLQuantizationType[kind]
+            writer.add_tensor(gguf_name(name), gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return given
+
+
+def dequantized_state(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the GGUF file ``path`` dequantized, by GGUF name (the reference for K-quants)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    return {t.name: torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type))) for t in reader.tensors}
