@@ -220,7 +220,7 @@ def _add_generate(commands) -> None:
     io.add_argument("--quiet", action="store_true", help="no progress bar or summary on stderr")
 
     model = gen.add_argument_group("model")
-    model.add_argument("--model", metavar="DIR", help="Hugging Face-format checkpoint directory (default: bundled)")
+    model.add_argument("--model", metavar="PATH", help="Hugging Face-format checkpoint directory or GGUF file (default: bundled)")
     model.add_argument("--dtype", choices=DTYPES, help="default: float32 on CPU, the checkpoint's elsewhere")
     model.add_argument("--device", type=_device, default="cpu", help="e.g. cpu, cuda, cuda:1 (default: cpu)")
     model.add_argument("--threads", type=_int_at_least(1), metavar="N", help=THREADS_HELP)
@@ -281,7 +281,7 @@ def _add_eval(commands) -> None:
         allow_abbrev=False)
     ev.add_argument("--benchmark", choices=("passkey", "ruler", "dataset"),
                     help="what to run (default: dataset with --dataset, else passkey)")
-    ev.add_argument("--model", metavar="DIR", help="checkpoint directory (default: bundled)")
+    ev.add_argument("--model", metavar="PATH", help="checkpoint directory or GGUF file (default: bundled)")
     ev.add_argument("--dtype", choices=DTYPES, help="default: float32 on CPU, the checkpoint's elsewhere")
     ev.add_argument("--device", type=_device, default="cpu", help="e.g. cpu, cuda, cuda:1 (default: cpu)")
     ev.add_argument("--texts", metavar="DIR",
@@ -335,7 +335,7 @@ def _add_finetune(commands) -> None:
     ft.add_argument("--field", default="text", help="the text field of JSONL records (default: text)")
     ft.add_argument("--seq-len", type=_int_at_least(2), default=8192, metavar="N", help="tokens per row (default: 8192)")
     ft.add_argument("--out", required=True, metavar="DIR", help="where the checkpoint and logs go")
-    ft.add_argument("--model", metavar="DIR", help="checkpoint to start from (default: bundled)")
+    ft.add_argument("--model", metavar="PATH", help="checkpoint directory or GGUF file to start from (default: bundled)")
     ft.add_argument("--device", type=_device, default="cpu", help="e.g. cpu, cuda (default: cpu; bf16 autocast on CUDA)")
     ft.add_argument("--threads", type=_int_at_least(1), metavar="N", help=THREADS_HELP)
     ft.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -443,7 +443,7 @@ def _add_drift(commands) -> None:
                     "and fresh runs (default and aligned), for kvcache and, when installed, transformers on the "
                     "same weights. See docs/exactness.md.",
     )
-    dr.add_argument("--model", metavar="DIR", help="Hugging Face-format checkpoint directory (default: bundled)")
+    dr.add_argument("--model", metavar="PATH", help="Hugging Face-format checkpoint directory or GGUF file (default: bundled)")
     dr.add_argument("--dtype", type=_list(str), default=list(DTYPES), metavar="A,B",
                     help=f"comma-separated, from {', '.join(DTYPES)} (default: all)")
     dr.add_argument("--device", type=_device, default="cpu", help="e.g. cpu, cuda (default: cpu)")

@@ -10,7 +10,6 @@ conversion leaves nothing that looks like a checkpoint.
 
 from __future__ import annotations
 
-import importlib.resources
 import importlib.util
 import json
 import os
@@ -42,19 +41,14 @@ def convert(source: str | Path, dest: str | Path, *, dtype: torch.dtype = torch.
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise ValueError(f"{dest} already exists and is not an empty directory: choose a new one")
     checkpoint = gguf.read(source)
-    config = {**checkpoint.config, "architectures": [_ARCHITECTURES[checkpoint.config["model_type"]]],
-              "dtype": _DTYPE_NAMES[dtype]}
+    config = {**hf_config(checkpoint.config), "dtype": _DTYPE_NAMES[dtype]}
     state = {name: t.to(dtype).contiguous() for name, t in checkpoint.tensors.items()}
-    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", **checkpoint.tokenizer_config}
-    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if config.get(k) is not None}
     dest.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
         save_file(state, str(work / "model.safetensors"), metadata={"format": "pt"})
         (work / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        (work / "tokenizer.json").write_text(checkpoint.tokenizer.to_str())
-        (work / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
-        (work / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+        write_tokenizer(checkpoint, work)
         if dest.exists():
             dest.rmdir()
         work.rename(dest)
@@ -62,6 +56,20 @@ def convert(source: str | Path, dest: str | Path, *, dtype: torch.dtype = torch.
         shutil.rmtree(work, ignore_errors=True)
         raise
     return dest
+
+
+def hf_config(config: dict) -> dict:
+    """A GGUF file's config.json fields (``gguf.read``'s) with the ``architectures`` transformers reads."""
+    return {**config, "architectures": [_ARCHITECTURES[config["model_type"]]]}
+
+
+def write_tokenizer(checkpoint: gguf.GGUFCheckpoint, dest: Path) -> None:
+    """A GGUF file's tokenizer as tokenizer.json, tokenizer_config.json and generation_config.json in ``dest``."""
+    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", **checkpoint.tokenizer_config}
+    generation = {k: checkpoint.config[k] for k in ("bos_token_id", "eos_token_id") if checkpoint.config.get(k) is not None}
+    (dest / "tokenizer.json").write_text(checkpoint.tokenizer.to_str())
+    (dest / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    (dest / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
 
 
 @dataclass(frozen=True)
@@ -95,9 +103,12 @@ def models_dir() -> Path:
 def packaged_gguf(name: str) -> Path | None:
     """The GGUF file of known model ``name`` if its wheel is installed, else None."""
     known = _known(name)
-    if importlib.util.find_spec(known.module) is None:
+    # Found, not imported: the package's own __init__ imports its declared dependencies, which
+    # are not installed (an LLM client and llama-cpp-python; the file is all that is needed).
+    spec = importlib.util.find_spec(known.module)
+    if spec is None or not spec.submodule_search_locations:
         return None
-    file = Path(str(importlib.resources.files(known.module) / known.file))
+    file = Path(spec.submodule_search_locations[0]) / known.file
     return file if file.is_file() else None
 
 

@@ -253,7 +253,10 @@ def report(model_dir: str | Path | None, dtypes: list[str], device: str | torch.
         if hf_version is not None:
             from transformers import AutoModelForCausalLM
 
-            hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+            # A GGUF file: transformers dequantizes it itself (from_pretrained(dir, gguf_file=name)).
+            where = dict(pretrained_model_name_or_path=path.parent, gguf_file=path.name) if path.is_file() else \
+                dict(pretrained_model_name_or_path=path)
+            hf = AutoModelForCausalLM.from_pretrained(**where, dtype=dtype).to(device).eval()
             results += transformers_drift(hf, prompts, setup, dtype)
             del hf
     # The contract of the report: the same weights, so the cached-vs-uncached figures of both

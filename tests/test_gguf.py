@@ -141,6 +141,19 @@ def test_convert_writes_a_checkpoint_kvcache_and_transformers_load(twin, tmp_pat
     assert hf_tokenizer.encode(TEXT, add_special_tokens=False) == tokenizer.encode(TEXT, add_special_tokens=False)
 
 
+def test_a_model_fine_tuned_from_a_gguf_file_saves_as_a_checkpoint(twin, tmp_path):
+    """What `kvcache finetune --model FILE.gguf` writes: the file's config and tokenizer beside the weights."""
+    from kvcache.train.save import read_config, save_checkpoint
+
+    _, file = twin
+    model = kvcache.load(file)
+    save_checkpoint(model, tmp_path / "tuned", read_config(file), source=file)
+    ids = random_ids(16, seed=5, device="cpu")
+    with torch.inference_mode():
+        assert torch.equal(kvcache.load(tmp_path / "tuned")(ids), model(ids))
+    assert kvcache.load_tokenizer(tmp_path / "tuned").encode(TEXT) == kvcache.load_tokenizer(file).encode(TEXT)
+
+
 def test_convert_refuses_to_overwrite_and_leaves_nothing_on_failure(twin, tmp_path):
     _, file = twin
     (tmp_path / "taken").mkdir()

@@ -11,13 +11,19 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from .. import gguf
+from ..convert import hf_config, write_tokenizer
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "generation_config.json")
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 def read_config(source: str | Path) -> dict:
-    """The ``config.json`` of checkpoint directory ``source`` as a dict."""
+    """The ``config.json`` of checkpoint directory ``source`` as a dict (a GGUF file's, as
+    ``kvcache convert`` writes it)."""
+    if gguf.is_gguf(source):
+        return hf_config(gguf.read(source, weights=False).config)
     return json.loads((Path(source) / "config.json").read_text())
 
 
@@ -26,8 +32,8 @@ def save_checkpoint(model: torch.nn.Module, out: str | Path, config: dict, *, so
     """Write ``model`` (a ``kvcache.Transformer`` without adapters; merge LoRA first) to ``out``.
 
     config: the Hugging Face config to write (typically ``read_config(source)``); its dtype entry
-    is set to the saved one. source: a checkpoint directory whose tokenizer files are copied.
-    dtype: the dtype of the stored weights (default: the model's).
+    is set to the saved one. source: a checkpoint directory whose tokenizer files are copied, or a
+    GGUF file whose tokenizer is written. dtype: the dtype of the stored weights (default: the model's).
     """
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -47,7 +53,9 @@ def save_checkpoint(model: torch.nn.Module, out: str | Path, config: dict, *, so
     key = "dtype" if "dtype" in config else "torch_dtype"
     config[key] = DTYPE_NAMES.get(saved, str(saved).removeprefix("torch."))
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    if source is not None:
+    if source is not None and gguf.is_gguf(source):
+        write_tokenizer(gguf.read(source, weights=False), out)
+    elif source is not None:
         for name in TOKENIZER_FILES:
             if (Path(source) / name).exists():
                 shutil.copy(Path(source) / name, out / name)
