@@ -12,11 +12,9 @@ import torch
 
 import kvcache
 from kvcache.compile import CompiledDecode
-from conftest import DEVICE, max_diff, random_ids
+from conftest import DEVICE, atol, max_diff, random_ids
 
 VOCAB = 128  # the conftest llama
-# Per dtype: the largest max-abs logit difference allowed between the captured and eager steps.
-COMPILED_ATOL = {torch.float32: 1e-4}
 
 CASES = (
     [(name, {}) for name in kvcache.policies() if name != "sink"]
@@ -93,14 +91,14 @@ def test_captured_step_matches_eager_and_never_recompiles(tiny, name, options):
         torch._dynamo.config.error_on_recompile = False
     policy, _, storage = name.partition(":")
     if not storage:
-        assert max_diff(got, want) <= COMPILED_ATOL[torch.float32]
+        assert max_diff(got, want) <= atol("compiled")
         assert got_held == want_held
         return
     # A quantized storage rounds: a key that differs by 1e-7 between the two steps' kernels may
     # round to another code. The captured step must then stay as close to the eager one as the
     # quantization itself is to full precision.
     full, _ = _run(tiny, policy, options, eager(tiny))
-    assert max_diff(got, want) <= max(COMPILED_ATOL[torch.float32], max_diff(want, full))
+    assert max_diff(got, want) <= max(atol("compiled"), max_diff(want, full))
 
 
 def test_headwise_budgets_are_captured_too(tiny):
@@ -108,7 +106,7 @@ def test_headwise_budgets_are_captured_too(tiny):
     options = {"head_budgets": budgets, "recent": 2}
     want, want_held = _run(tiny, "h2o", options, eager(tiny))
     got, got_held = _run(tiny, "h2o", options, lambda cache: CompiledDecode(tiny, cache, backend="aot_eager"))
-    assert max_diff(got, want) <= COMPILED_ATOL[torch.float32] and got_held == want_held
+    assert max_diff(got, want) <= atol("compiled") and got_held == want_held
 
 
 @pytest.mark.parametrize("policy,options", [("dense", {}), ("h2o", {"recent": 2})])
@@ -133,11 +131,13 @@ def test_a_cache_keeps_its_capture_across_generations(tiny):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_captured_step_is_as_close_to_float32_as_eager(tiny, dtype):
-    """In 16 bits, the captured step (inductor) is no further from the float32 logits than the
-    eager cached step and the plain forward are. (Its own difference from the eager step is no
-    measure on this CPU: there, bfloat16 cached and uncached logits agree exactly, while inductor
-    accumulates in float32 and rounds differently, closer to float32.)"""
+def test_half_precision_captured_step_is_within_the_dtype_tolerance_of_float32(tiny, dtype):
+    """In 16 bits, the captured step (inductor), the eager cached step and the plain forward are
+    each within the dtype's tolerance of the float32 logits (TOLERANCES' "precision" kind).
+
+    Each is compared with the float32 reference, not with the others: how two 16-bit rounding
+    errors compare depends on the CPU's vector width (inductor accumulates in float32 and rounds
+    where the eager kernels do not, differently per instruction set), their bound does not."""
     ids = ids_for(24, seed=6, vocab=VOCAB)
 
     def decode_logits(model, make_step):
@@ -158,8 +158,10 @@ def test_half_precision_captured_step_is_as_close_to_float32_as_eager(tiny, dtyp
         plain = half(ids)[0, 16:].float()
         cached = decode_logits(half, eager_step)
         captured = decode_logits(half, lambda cache, model: CompiledDecode(model, cache))
-    eager_error = max(max_diff(cached, reference), max_diff(plain, reference))
-    assert max_diff(captured, reference) <= eager_error, (max_diff(captured, reference), eager_error)
+    tolerance = atol("precision", dtype)
+    errors = {"plain": max_diff(plain, reference), "cached": max_diff(cached, reference),
+              "captured": max_diff(captured, reference)}
+    assert max(errors.values()) <= tolerance, (errors, tolerance)
 
 
 def test_reserve_is_rejected(tiny):
