@@ -729,7 +729,7 @@ def _eval(args: argparse.Namespace) -> None:
     from .eval.command import out_dir, run
 
     _set_threads(args.threads)
-    out = out_dir(args.out)  # before anything is loaded: a bad --out fails at once
+    out = out_dir(args.out, create=False)  # before anything is loaded: a bad --out fails at once
     if not args.no_plots:
         _require_matplotlib()
     run(args, out, _dtype(args.dtype, args.device), progress=sys.stderr.isatty())

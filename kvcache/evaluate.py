@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .cache.registry import budget_options, make_cache
+from .cache.registry import budget_options, check_names, make_cache
 from .cache.registry import policies as registered_policies
 from .generate import generate
 from .tasks import PASSKEY_QUESTION, TaskMaker
@@ -40,6 +40,7 @@ class Grid:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        check_names(self.policies)  # every policy and storage, before any cell runs
         if not all(0 < b <= 1 for b in self.budgets):
             raise ValueError(f"budgets are fractions of the context in (0, 1], got {self.budgets}")
         if not all(0 <= d <= 1 for d in self.depths):

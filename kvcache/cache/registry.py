@@ -120,6 +120,25 @@ def parse_name(name: str) -> tuple[str, str]:
     return policy, storage
 
 
+def check_names(names: Sequence[str], what: str = "policies") -> None:
+    """Every ``policy[:storage]`` name of ``names`` known, or one ValueError naming each unknown
+    policy and storage (``what``: how the caller's user gave the names, e.g. ``--policies``)."""
+    _discover()
+    policies, problems = [], []
+    for name in names:
+        try:
+            policy, _ = parse_name(name)
+        except ValueError as e:
+            problems.append(str(e))
+            continue
+        if policy not in _POLICIES:
+            policies.append(name)
+    if policies:
+        problems.insert(0, f"unknown policy(ies) {', '.join(policies)}; available: {', '.join(sorted(_POLICIES))}")
+    if problems:
+        raise ValueError(f"{what}: {'; '.join(problems)}")
+
+
 def resolve_budget(cache_length: int | float, prompt_length: int | None) -> int:
     """A token count from ``cache_length``: an int >= 1 as it is, a float in (0, 1] as that
     fraction of ``prompt_length`` (at least one token)."""

@@ -12,6 +12,7 @@ score-against-ratio plot and one task x policy heatmap per ratio.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -27,17 +28,41 @@ DEFAULT_RULER_LENGTHS = (4096,)
 DEFAULT_SAMPLES = 5
 
 
-def out_dir(path: str) -> Path:
-    """``--out`` as a usable directory (created if new), or a ValueError saying what to pass."""
+def out_dir(path: str, create: bool = True) -> Path:
+    """``--out`` as a usable directory, or a ValueError saying what to pass. ``create``: make it
+    if new; without, only check that it could be made (nothing is written)."""
     out = Path(path)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {path} exists and is not a directory; pass a new directory, or the directory of "
                          "an earlier kvcache eval run to resume it")
+    if not create:
+        parent = next((p for p in out.absolute().parents if p.exists()), None)
+        if not out.exists() and parent is not None and not (parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)):
+            raise ValueError(f"--out {path}: cannot create the directory ({parent} is not a writable directory); "
+                             "pass a writable directory")
+        return out
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ValueError(f"--out {path}: cannot create the directory ({e.strerror}); pass a writable directory") from None
     return out
+
+
+def check_grid(policies, model=None) -> None:
+    """Every policy[:storage] of a grid, before any cell runs: one ValueError naming each unknown
+    policy and storage; with ``model``, also the storages its head size cannot hold."""
+    from ..cache.registry import check_names
+    from ..cache.storage import check_storage
+
+    check_names(policies, "--policies")
+    if model is not None:
+        for name in policies:
+            _, _, storage = name.partition(":")
+            if storage:
+                try:
+                    check_storage(storage, model.config.head_dim)
+                except ValueError as e:
+                    raise ValueError(f"--policies {name}: {e}") from None
 
 
 def benchmark(args) -> str:
@@ -100,9 +125,7 @@ def _sweep(args, kind: str, out: Path, dtype: torch.dtype | None, progress: bool
             raise ValueError(f"task(s) {', '.join(unknown)} not in {args.dataset}, whose tasks are {', '.join(found)}")
         lengths = [0]  # a dataset's prompts are as long as they are
     policies = args.policies or sorted(registered(), key=lambda name: name != "dense")
-    unknown = [p for p in policies if p.partition(":")[0] not in registered()]
-    if unknown:
-        raise ValueError(f"unknown policy(ies) {', '.join(unknown)}; available: {', '.join(registered())}")
+    check_grid(policies)
     samples = args.samples or DEFAULT_SAMPLES
     if args.quick:
         tasks, lengths, samples = tasks[:2], [0] if kind == "dataset" else [1024], 1
@@ -111,6 +134,8 @@ def _sweep(args, kind: str, out: Path, dtype: torch.dtype | None, progress: bool
     model_name = args.model or f"bundled ({BUNDLED_MODEL.name})"
     tokenizer = load_tokenizer(args.model)
     model = load(args.model, dtype=dtype, device=args.device)
+    check_grid(policies, model)
+    out = out_dir(str(out))  # the first thing written: after every check above
     done = len(cells) - len(sweep.pending(cells, bench, out))
     print(f"kvcache eval: {len(cells)} cells ({done} already in {out}/cells), writing to {out}/", file=sys.stderr)
     if args.ray is None:
@@ -140,12 +165,6 @@ def _sweep(args, kind: str, out: Path, dtype: torch.dtype | None, progress: bool
     print(f"wrote {out}/: {', '.join(written)}", file=sys.stderr)
 
 
-def _registered() -> dict[str, str]:
-    from ..cache.registry import policies
-
-    return policies()
-
-
 def _passkey(args, out: Path, dtype: torch.dtype | None, progress: bool) -> None:
     from ..evaluate import Grid, evaluate, markdown
     from ..tasks import read_texts
@@ -156,17 +175,21 @@ def _passkey(args, out: Path, dtype: torch.dtype | None, progress: bool) -> None
                     depths=[0.0, 0.5, 1.0], trials=1, stream_tokens=256)
     overrides = {k: getattr(args, k) for k in ("policies", "budgets", "lengths", "depths", "trials",
                                                "stream_tokens") if getattr(args, k) is not None}
+    check_grid(overrides.get("policies", ()))
     grid = Grid(**{**grid.__dict__, **overrides})
     from .cell import reconstructs
 
-    passes = [p for p in grid.policies if p.partition(":")[0] in _registered() and reconstructs(p)]
+    check_grid(grid.policies)
+    passes = [p for p in grid.policies if reconstructs(p)]
     if passes:
         raise ValueError(f"--policies {', '.join(passes)}: a policy that compresses a context by reconstructing it "
                          "is not run by the passkey grid (streaming perplexity, one prompt at a time); evaluate "
                          "it with --benchmark ruler or --dataset FILE.jsonl")
-    print(f"kvcache eval: writing the report to {out}/ (--out DIR to change)", file=sys.stderr)
     tokenizer = load_tokenizer(args.model)
     model = load(args.model, dtype=dtype, device=args.device)
+    check_grid(grid.policies, model)
+    out = out_dir(str(out))  # the first thing written: after every check above
+    print(f"kvcache eval: writing the report to {out}/ (--out DIR to change)", file=sys.stderr)
     stream = read_texts(args.texts, tokenizer)
     report = evaluate(model, tokenizer, stream, stream.to(args.device), grid, progress=progress)
     report["header"] = {"model": args.model or f"bundled ({BUNDLED_MODEL.name})",

@@ -73,3 +73,50 @@ def test_bad_flags_are_clear_errors(tmp_path, capsys, flags, message):
     assert main(["eval", *flags, "--no-plots", "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert re.search(message, err) and "Traceback" not in err
+
+
+@pytest.mark.parametrize("flags, message", [
+    # passkey: the misspelled policy comes after two that would run
+    (["--policies", "dense,sink,h20", "--lengths", "512,1024", "--budgets", "0.25,0.5", "--trials", "2"],
+     "--policies: unknown policy\\(ies\\) h20; available: "),
+    (["--policies", "dense,h2o:int5"], "unknown storage 'int5'"),
+    (["--policies", "h20,h2o:int3"], "unknown policy\\(ies\\) h20.*unknown storage 'int3'"),
+    # a storage this model's head size cannot hold: found after loading, still before any cell
+    (["--policies", "dense,h2o:token4/7"], "--policies h2o:token4/7: .*must divide head_dim"),
+    (["--benchmark", "ruler", "--policies", "dense,window,h20", "--lengths", "512"], "unknown policy\\(ies\\) h20"),
+    (["--benchmark", "ruler", "--policies", "dense,h2o:kivi9"], "unknown storage 'kivi9'"),
+    (["--benchmark", "ruler", "--policies", "dense,h2o:token4/7", "--lengths", "512"], "must divide head_dim"),
+    (["--benchmark", "ruler", "--tasks", "niah_single_1,qa_3", "--lengths", "512"], "unknown RULER task\\(s\\) qa_3"),
+])
+def test_a_bad_grid_fails_before_any_cell_and_writes_nothing(tiny_dir, tmp_path, monkeypatch, capsys, flags, message):
+    import re
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("a cell ran before the grid was checked")
+
+    monkeypatch.setattr("kvcache.evaluate.evaluate", must_not_run)
+    monkeypatch.setattr("kvcache.eval.sweep.run", must_not_run)
+    monkeypatch.setattr("kvcache.eval.ray_sweep.run", must_not_run)
+    out = tmp_path / "new" / "out"
+    assert main(["eval", "--model", str(tiny_dir), *flags, "--no-plots", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvcache: error: ") and re.search(message, err) and "Traceback" not in err, err
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_bad_dataset_task_fails_before_any_cell_and_writes_nothing(tiny_dir, tmp_path, monkeypatch, capsys):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"context": "c", "question": "q", "answers": ["a"], "task": "capitals"}) + "\n")
+    monkeypatch.setattr("kvcache.eval.sweep.run", lambda *a, **k: pytest.fail("a cell ran"))
+    out = tmp_path / "out"
+    assert main(["eval", "--dataset", str(data), "--model", str(tiny_dir), "--tasks", "capitals,capitols",
+                 "--no-plots", "--out", str(out)]) == 2
+    assert "capitols not in" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_an_out_directory_that_cannot_be_made_fails_at_once(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    assert main(["eval", "--no-plots", "--out", str(tmp_path / "file" / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvcache: error: --out ") and "writable directory" in err
