@@ -49,6 +49,9 @@ def convert(source: str | Path, dest: str | Path, *, dtype: torch.dtype = torch.
         save_file(state, str(work / "model.safetensors"), metadata={"format": "pt"})
         (work / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         write_tokenizer(checkpoint, work)
+        umask = os.umask(0)
+        os.umask(umask)
+        work.chmod(0o777 & ~umask)  # mkdtemp's directory is private; a checkpoint is not
         if dest.exists():
             dest.rmdir()
         work.rename(dest)
