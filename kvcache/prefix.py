@@ -554,7 +554,7 @@ class PrefixStore:
     def _load(self, path: Path) -> None:
         store, index_file = self, path / INDEX
         try:
-            index = json.loads(_read_inside(path, INDEX, MAX_INDEX_BYTES, "a store index may have").decode())
+            index = _json(_read_inside(path, INDEX, MAX_INDEX_BYTES, "a store index may have").decode())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:
             raise PrefixStoreError(f"{index_file} is not a readable prefix-store index ({e}); delete {path} "
                                    "to start a new store") from None
@@ -770,6 +770,16 @@ def _read_inside(path: Path, name: str, limit: int, why: str) -> bytes:
         return f.read(info.st_size)  # a buffer of the file's size, never of the limit
 
 
+def _json(text: str | bytes) -> object:
+    """``json.loads`` of a file's text, refusing nesting of any depth with ValueError (the decoder
+    recurses once per level: a few thousand levels raise RecursionError, which a caller that
+    maps ValueError to a clear error would let through)."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("it is nested deeper than JSON decoding allows") from None
+
+
 def _check_safetensors(name: str, data: bytes, nbytes: int) -> None:
     """Check a safetensors file's header against its size and the entry's ``nbytes`` before
     safetensors reads it: a header length within the file, known dtypes, and every tensor's
@@ -780,7 +790,7 @@ def _check_safetensors(name: str, data: bytes, nbytes: int) -> None:
     if size > min(MAX_HEADER_BYTES, len(data) - 8):
         raise ValueError(f"{name}: its safetensors header claims {size} bytes, but the file has {len(data)}")
     try:
-        header = json.loads(data[8 : 8 + size])
+        header = _json(data[8 : 8 + size])
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"{name}: its safetensors header is not JSON ({err})") from None
     if not isinstance(header, dict):

@@ -159,6 +159,12 @@ def _store_case(case: str, path: Path, outside: Path) -> None:
     elif case == "index larger than the limit":
         (path / INDEX).write_text(json.dumps(index) + " " * 4096)
         return
+    elif case == "index nested 10,000 deep":
+        (path / INDEX).write_text("[" * 10_000 + "]" * 10_000)
+        return
+    elif case == "entry header nested 10,000 deep":
+        header = ("[" * 10_000 + "]" * 10_000).encode()
+        return _replace_entry(path, len(header).to_bytes(8, "little") + header)
     (path / INDEX).write_text(json.dumps(index))
 
 
@@ -177,6 +183,8 @@ STORE_CASES = {
     "header offsets past the data": "byte ranges do not tile",
     "truncated entry (sha256 updated)": "header claims|do not tile",
     "index larger than the limit": r"has \d+ bytes, more than the 1024 a store index may have",
+    "index nested 10,000 deep": "nested deeper than JSON decoding allows",
+    "entry header nested 10,000 deep": "nested deeper than JSON decoding allows",
 }
 
 
