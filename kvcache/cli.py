@@ -94,12 +94,15 @@ def cache_length_arg(value: str) -> int | float:
     accepted = "a token count such as 300, or a fraction of the prompt in (0, 1] such as 0.25 (1.0: the whole prompt)"
     if text.isdigit():
         if int(text) < 1:
-            raise argparse.ArgumentTypeError(f"expected {accepted}; got {value!r}")
+            raise argparse.ArgumentTypeError(f"expected {accepted}; got {value!r} (a cache holds at least 1 token)")
         return int(text)
     try:
         number = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected {accepted}; got {value!r}") from None
+    if number <= 0:
+        raise argparse.ArgumentTypeError(f"expected {accepted}; got {value!r} ({'negative' if number else 'zero'}: "
+                                         "a cache holds at least 1 token)")
     if "." not in text and number >= 1 and number.is_integer() and number < 2**63:
         return int(number)  # 1e3: a token count in exponent form
     if not 0 < number <= 1:
@@ -378,6 +381,28 @@ class _Parser(argparse.ArgumentParser):
     def __init__(self, **kwargs) -> None:
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(**kwargs)
+
+    def error(self, message: str):
+        """Every argument error in one line, ``kvcache: error: ...`` and status 2, as errors found
+        later are reported (no usage block: ``--help`` prints that)."""
+        print(f"kvcache: error: {_argument_message(message, self)}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _argument_message(message: str, parser: argparse.ArgumentParser) -> str:
+    """argparse's message, with the command named where argparse calls it ``command``."""
+    commands = getattr(parser, "commands", None)
+    if commands is None:
+        return message
+    names = ", ".join(commands)
+    if message.startswith("the following arguments are required: command"):
+        return f"name a command: {names} (kvcache --help says what each does)"
+    if message.startswith("argument command: invalid choice: "):
+        given = message.split("invalid choice: ", 1)[1].split(" (choose", 1)[0].strip("'")
+        close = difflib.get_close_matches(given, list(commands), n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        return f"unknown command {given!r}{hint} (the commands: {names})"
+    return message
 
 
 def _unrecognized(extra: list[str], parser: argparse.ArgumentParser) -> str:

@@ -466,12 +466,42 @@ def test_eval_without_matplotlib_fails_before_the_grid(model_dir, tmp_path, monk
     (["--recnt", "3"], "--recent"),       # a typo
     (["--policy", "sink", "--sink", "8"], "--sinks"),  # an abbreviation is not taken for the option
 ])
-def test_unknown_option_names_the_subcommand_and_the_closest_option(args, suggestion, capsys):
+def test_unknown_option_names_the_closest_option(args, suggestion, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["generate", PROMPT, *args])
     assert exit_.value.code == 2
     err = capsys.readouterr().err
-    assert "usage: kvcache generate" in err and f"did you mean {suggestion}?" in err
+    assert err.startswith("kvcache: error: unrecognized arguments: ") and f"did you mean {suggestion}?" in err
+    assert "usage:" not in err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["generate", PROMPT, "--cache-length", "-5"], "argument --cache-length: .* got '-5' \\(negative: "),
+    (["generate", PROMPT, "--cache-length", "0"], "argument --cache-length: .* got '0' \\(a cache holds at least 1"),
+    (["generate", PROMPT, "--temperature", "warm"], "argument --temperature: expected a number, got 'warm'"),
+    (["generate", PROMPT, "--dtype", "f16"], "argument --dtype: invalid choice: 'f16'"),
+    (["generate", PROMPT, "--policy"], "argument --policy: expected one argument"),
+    (["eval", "--lengths", "a,b"], "argument --lengths: expected a comma-separated list"),
+    (["eval", "--benchmrk", "ruler"], "unrecognized arguments: --benchmrk ruler \\(did you mean --benchmark\\?\\)"),
+    (["finetune", "--data", "x.txt"], "the following arguments are required: --out"),
+    (["finetune", "--data", "x.txt", "--out", "o", "--warmup", "-1"], "argument --warmup: expected an integer >= 0"),
+    (["drift", "--tokens", "3"], "argument --tokens: expected an integer >= 8, got '3'"),
+    (["policies", "--all"], "unrecognized arguments: --all"),
+    ([], "name a command: generate, eval, finetune, drift, policies"),
+    (["genrate", PROMPT], "unknown command 'genrate'; did you mean generate\\?"),
+])
+def test_every_argument_error_is_one_line_in_the_documented_form(args, message, capsys):
+    """README and docs/cli.md: errors print `kvcache: error: ...` and exit with status 2; an
+    argument error is no exception (one line, no usage block, whichever command)."""
+    import re
+
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    assert exit_.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("kvcache: error: "), err
+    assert re.search(message, err), err
+    assert "usage:" not in err
 
 
 def test_a_cache_too_large_for_memory_is_refused_before_allocation(capsys):
