@@ -341,7 +341,8 @@ def _add_finetune(commands) -> None:
     ft.add_argument("--model", metavar="PATH", help="checkpoint directory or GGUF file to start from (default: bundled)")
     ft.add_argument("--device", type=_device, default="cpu", help="e.g. cpu, cuda (default: cpu; bf16 autocast on CUDA)")
     ft.add_argument("--threads", type=_int_at_least(1), metavar="N", help=THREADS_HELP)
-    ft.add_argument("--quiet", action="store_true", help="no progress bar")
+    ft.add_argument("--quiet", action="store_true",
+                    help="no progress (a bar on a terminal; redirected, a line every tenth of the steps)")
     cache = ft.add_argument_group("cache")
     cache.add_argument("--policy", default="h2o", help="cache policy[:storage] (default: h2o)")
     cache.add_argument("--cache-length", type=_int_at_least(1), default=1024, metavar="N",
@@ -351,7 +352,8 @@ def _add_finetune(commands) -> None:
     training = ft.add_argument_group("training")
     training.add_argument("--steps", type=_int_at_least(1), default=100, metavar="N", help="optimizer steps (default: 100)")
     training.add_argument("--lr", type=_number, default=2e-4, metavar="LR", help="peak learning rate (default: 2e-4)")
-    training.add_argument("--warmup", type=_int_at_least(0), default=10, metavar="N", help="warm-up steps (default: 10)")
+    training.add_argument("--warmup", type=_int_at_least(0), metavar="N",
+                          help="warm-up steps, at most --steps (default: 10, or a tenth of --steps if fewer)")
     training.add_argument("--batch-size", type=_int_at_least(1), default=1, metavar="N", help="rows per micro-batch (default: 1)")
     training.add_argument("--grad-accum", type=_int_at_least(1), default=1, metavar="N",
                           help="micro-batches per optimizer step (default: 1)")

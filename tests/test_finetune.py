@@ -63,6 +63,23 @@ def test_config_errors():
         finetune(torch.nn.Linear(2, 2), torch.zeros(1, 8, dtype=torch.long, device=DEVICE), FinetuneConfig(cache_length=16, chunk=16))
 
 
+def test_warmup_fits_the_run():
+    """The default warm-up is 10 steps, or a tenth of a shorter run; one longer than the run is cut
+    to it with a warning, so the learning rate reaches ``lr`` (a 3-step run under a 10-step
+    warm-up would end at 0.3 lr)."""
+    from kvcache.errors import KVCacheWarning
+    from kvcache.train.loop import lr_at
+
+    assert FinetuneConfig(steps=100).warmup == 10 and FinetuneConfig(steps=1000).warmup == 10
+    assert FinetuneConfig(steps=30).warmup == 3 and FinetuneConfig(steps=3).warmup == 0
+    short = FinetuneConfig(steps=3, lr=2e-4)
+    assert lr_at(0, short) == pytest.approx(2e-4)
+    with pytest.warns(KVCacheWarning, match=r"warmup \(10 steps\) is longer than the run \(3 steps\)"):
+        cut = FinetuneConfig(steps=3, warmup=10, lr=2e-4)
+    assert cut.warmup == 3 and max(lr_at(s, cut) for s in range(3)) == pytest.approx(2e-4)
+    assert FinetuneConfig(steps=3, warmup=3).warmup == 3  # reaches lr at its last step: no warning
+
+
 def test_loop_trains_and_accumulates(model, tmp_path):
     rows = token_ids(32, batch=4, seed=1, vocab=128)
     before = plain_loss(model, rows).item()
@@ -150,6 +167,22 @@ def test_cli_finetune_writes_a_checkpoint(text_file, tmp_path, capsys):
     assert json.loads((out / "training.json").read_text())["config"]["policy"] == "sink"
     assert len((out / "loss.jsonl").read_text().splitlines()) == 2
     assert tuned.config.num_layers == 4  # the bundled model, fine-tuned
+
+
+def test_cli_finetune_redirected_prints_lines_not_bar_frames(text_file, tmp_path, capsys):
+    """stderr redirected (capsys: not a terminal): no progress-bar frames (carriage returns), one
+    plain line every tenth of the steps; a warm-up longer than the run is a one-line warning."""
+    out = tmp_path / "out"
+    code = main(["finetune", "--data", str(text_file), "--seq-len", "64", "--chunk", "16", "--cache-length", "32",
+                 "--policy", "window", "--steps", "3", "--warmup", "10", "--out", str(out), "--threads", "1"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "\r" not in err and "it/s" not in err and "step/s" not in err
+    assert "kvcache: warning: warmup (10 steps) is longer than the run (3 steps)" in err
+    steps = [line for line in err.splitlines() if line.startswith("step ")]
+    assert [line.split(":")[0] for line in steps] == ["step 1/3", "step 2/3", "step 3/3"]
+    assert "lr 0.0002," in steps[-1]  # the warm-up cut to the run ends at the peak rate
+    assert json.loads((out / "training.json").read_text())["config"]["warmup"] == 3
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -78,7 +78,18 @@ def _run(args, options: dict, rank: int) -> Path:
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "loss.jsonl").unlink(missing_ok=True)
-    records = finetune(model, rows, config, log=out / "loss.jsonl", progress=not args.quiet)
+    # A progress bar on a terminal; redirected, a plain line every tenth of the run instead of
+    # the bar's frames.
+    tty = sys.stderr.isatty()
+    every = max(1, config.steps // 10)
+
+    def report(step: int, record: dict) -> None:
+        if step % every == 0 or step == config.steps:
+            _say(rank, f"step {step}/{config.steps}: loss {record['loss']:.4f}, lr {record['lr']:.3g}, "
+                       f"{record['tokens_per_s']:.0f} tok/s")
+
+    records = finetune(model, rows, config, log=out / "loss.jsonl", progress=not args.quiet and tty,
+                       on_step=report if not args.quiet and not tty else None)
     if args.shard == "fsdp":
         # The weights are sharded over the ranks: gather them (every rank takes part), then rank
         # 0 writes them from an unsharded copy of the same model.

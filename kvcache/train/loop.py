@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -15,8 +16,13 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
+from ..errors import KVCacheWarning
 from .chunked import chunked_loss
 from .shard import SHARDINGS, grad_norm, rank_rows, shard
+
+
+# Warm-up steps when a config does not say (capped at a tenth of its steps).
+DEFAULT_WARMUP = 10
 
 
 @dataclass
@@ -29,7 +35,9 @@ class FinetuneConfig:
     policy_options: dict = field(default_factory=dict)
     steps: int = 100
     lr: float = 2e-4
-    warmup: int = 10
+    # Linear warm-up steps (``lr_at``). None: ``DEFAULT_WARMUP``, or a tenth of ``steps`` when that
+    # is fewer. More than ``steps`` is cut to ``steps`` with a warning (the rate would never reach ``lr``).
+    warmup: int | None = None
     batch_size: int = 1          # rows per micro-batch (one chunked_loss call)
     grad_accum: int = 1          # micro-batches per optimizer step
     weight_decay: float = 0.0
@@ -55,8 +63,16 @@ class FinetuneConfig:
             )
         if self.shard is not None and self.shard not in SHARDINGS:
             raise ValueError(f"shard must be one of {', '.join(SHARDINGS)} (or None), got {self.shard!r}")
-        if self.lr <= 0 or self.warmup < 0:
+        if self.lr <= 0 or (self.warmup is not None and self.warmup < 0):
             raise ValueError(f"lr must be positive and warmup >= 0, got lr={self.lr}, warmup={self.warmup}")
+        if self.warmup is None:
+            self.warmup = min(DEFAULT_WARMUP, self.steps // 10)
+        elif self.warmup > self.steps:
+            warnings.warn(
+                f"warmup ({self.warmup} steps) is longer than the run ({self.steps} steps): the learning rate would "
+                f"end at {self.lr * self.steps / self.warmup:.3g}, never reaching lr={self.lr:g}; warming up over the "
+                f"{self.steps} steps instead (pass a smaller warmup, or more steps)", KVCacheWarning, stacklevel=3)
+            self.warmup = self.steps
 
 
 def lr_at(step: int, config: FinetuneConfig) -> float:
