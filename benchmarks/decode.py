@@ -246,6 +246,20 @@ _CAPTURED: dict[tuple, object] = {}
 COMPILE_S: dict[tuple, float] = {}
 
 
+def allow_recompiles(limit: int = 64) -> None:
+    """Raises dynamo's limit of compiled versions of one function (8 by default): each cache type and
+    shape is a version of kvcache's captured step, and one run of the benchmarks can pass 8."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), limit))
+
+
+def forget_compiled() -> None:
+    """Drops what the compiled engines keep per model: once a model is freed, another one may get its id."""
+    _CAPTURED.clear()
+    COMPILE_S.clear()
+
+
 def run_kvcache_compiled(model, prompts: list[list[int]], n: int) -> dict:
     """kvcache with ``compile=True`` over a cache kept per shape, so every timed run replays the capture."""
     key = ("kvcache", id(model), len(prompts), len(prompts[0]), n)
@@ -612,11 +626,13 @@ def parse_device(value: str, error) -> torch.device:
     return device
 
 
-def run(args, error, on_cell=None) -> dict:
+def run(args, error, on_cell=None, models: dict | None = None) -> dict:
     """The benchmark of the parsed ``args`` (main's options) as one JSON-ready dict; ``error(message)``
     reports a bad option (argparse's ``parser.error``, or one that raises). ``on_cell(name, figures)``,
     if given, is called as each cell (shape and batch) is measured, so a caller keeps what a later
-    failure would lose."""
+    failure would lose. ``models``, a dict the caller keeps between calls, holds the last model this
+    call built off the CPU, and a later call whose first shape is of the same model runs it instead
+    of building it again (the CPU's models are loaded from this call's temporary directory)."""
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     unknown = [s for s in shapes if s not in SHAPES]
     if unknown:
@@ -635,6 +651,8 @@ def run(args, error, on_cell=None) -> dict:
         error("--hf-new-tokens must be >= 2")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.compiled:
+        allow_recompiles()
 
     import transformers
     from transformers.utils import logging as hf_logging
@@ -680,8 +698,16 @@ def run(args, error, on_cell=None) -> dict:
         # Shapes of one model run together; a model is dropped before the next is built (an 8B model
         # and a 1B model need not share the GPU).
         for key in dict.fromkeys(SHAPES[name][0] for name in shapes):
-            log(f"building random Llama {key} ({str(dtype).removeprefix('torch.')} on {device})")
-            hf, kv = build_models(key, Path(tmp), device, dtype)
+            if models and models.get("key") == key and models["dtype"] == dtype and models["device"] == device:
+                log(f"random Llama {key}: the model of the previous run")
+                hf, kv = models["hf"], models["kv"]
+            else:
+                if models:
+                    models.clear()
+                    forget_compiled()
+                    free_memory(device)
+                log(f"building random Llama {key} ({str(dtype).removeprefix('torch.')} on {device})")
+                hf, kv = build_models(key, Path(tmp), device, dtype)
             if device.type == "cpu":
                 args.path_of[key] = Path(tmp) / key
             for name in (s for s in shapes if SHAPES[s][0] == key):
@@ -691,6 +717,10 @@ def run(args, error, on_cell=None) -> dict:
                     result["shapes"][cell] = bench_shape(name, hf, kv, bandwidth, args, batch)
                     if on_cell is not None:
                         on_cell(cell, result["shapes"][cell])
+            if models is not None and device.type != "cpu":
+                models.update(key=key, dtype=dtype, device=device, hf=hf, kv=kv)
+            else:
+                forget_compiled()
             del hf, kv
             free_memory(device)
 

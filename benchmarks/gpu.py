@@ -1,17 +1,22 @@
 """Every GPU figure of docs/gpu.md in one command: the test suite on the device, then decode,
 policies under compile, packed-code attention and drift, each benchmark the script (or module) of
-its own name (benchmarks/decode.py, policies.py, quantized.py, kvcache.drift) called in this
-process with the options this script records next to its figures. Writes one JSON and one markdown table; the JSON is rewritten
-after every part and every decode cell, so a run cut short keeps what it measured.
+its own name (benchmarks/decode.py, policies.py, quantized.py, kvcache.drift) with the options this
+script records next to its figures. Writes one JSON and one markdown table; both are rewritten
+after every part, every decode cell, every policy, each packed sub-part and each drift dtype, so a run cut short keeps what it measured.
 
 Parts (``--parts``, default all, in this order):
-    suite     ``KVCACHE_TEST_DEVICE=<device> python -m pytest -q tests``: counts and failures.
+    suite     ``KVCACHE_TEST_DEVICE=<device> python -m pytest tests``, on a GPU under pytest-xdist
+              (``-n`` from the CPU count, ``--max-worker-restart``, ``--timeout 60`` with
+              pytest-timeout) when it is installed, serially otherwise; the plugin
+              benchmarks/outcomes_plugin.py writes each outcome to ``suite-outcomes.jsonl`` as it
+              happens (a run that is stopped keeps them), and ends a worker that a CUDA error left
+              unusable (xdist replaces it). Counts, failed test ids and the commonest failures.
     decode    decode.py at the 1B and 8B shapes (random weights, bfloat16) with 1k prompts at batch
               1, 16 and 64 and 32k prompts at batch 1: kvcache eager and compiled against
               transformers eager and transformers' static cache compiled, the read-bandwidth
               roofline and both compile times, all in this run.
     policies  policies.py under compile (captured decode steps) at cache_length 2048 after an 8k
-              prompt, on the 1B shape.
+              prompt, on the 1B shape, one policy at a time against dense.
     packed    quantized.py at 32k tokens, batch 16, bfloat16: one layer's decode step over 8- and
               4-bit packed codes (the Triton kernel on CUDA) against SDPA over bfloat16 keys, then
               end-to-end decode of the 1B shape over int8/int4/int2 against dense.
@@ -20,24 +25,40 @@ Parts (``--parts``, default all, in this order):
               alone (batch invariance), reused prefixes; kvcache against transformers on the
               same weights.
 
+Budgets. Each part runs under a wall-clock budget (``BUDGETS``; ``--budget-s PART=S[,PART=S...]``
+changes some): a part still running at its budget is stopped (its process group killed), recorded
+as "timed out after S s" and keeps what it had written; the parts after it still run. The suite is
+pytest's process; the benchmark parts run in this script with ``--child``, on a GPU one process
+per part (a CUDA error, memory or compiled graphs of one part do not reach the next), on the CPU
+one process for them all, with the suite alongside. A part's process starts while the part before
+it runs, loads torch, transformers and the compiler, and waits for its turn, from which its budget
+counts. The defaults fit a ``--quick`` run on one GPU into 9 minutes.
+
 ``--quick`` keeps the cells the floors are judged on (1k prompts: 1B at batch 1 and 16, 8B at
-batch 1), the floor policies, fewer steps and repeats. ``--device cpu --quick`` is a smoke test
-of this script on tiny shapes (seconds of compute; CI runs it): its figures mean nothing.
+batch 1), the floor policies, dense and dense:int4 end to end, fewer steps and repeats.
+``--device cpu --quick`` is a smoke test of this script on tiny shapes (CI runs it): its figures
+mean nothing.
 
-    python benchmarks/gpu.py [--quick] [--device cuda] [--parts suite,decode,policies,packed,drift] [--out DIR]
+    python benchmarks/gpu.py [--quick] [--device cuda] [--parts suite,decode,policies,packed,drift]
+                             [--budget-s suite=180,decode=150] [--out DIR]
 
-Exit status: 0 when every part ran and the suite passed (a floor missed is reported, not an
-error), 1 otherwise.
+Exit status: 0 when every part ran to its end and the suite passed (a floor missed is reported,
+not an error), 1 otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import importlib.util
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 import traceback
 import xml.etree.ElementTree as ET
@@ -54,6 +75,17 @@ from kvcache import drift
 
 ROOT = Path(__file__).resolve().parent.parent
 PARTS = ["suite", "decode", "policies", "packed", "drift"]
+
+# Seconds per part. "gpu-quick" sums to 510 s: with each process's start and the stops' grace,
+# under 9 minutes, for a machine lent 10 minutes a run. The others only stop a part that hangs.
+BUDGETS = {
+    "gpu-quick": {"suite": 180, "decode": 150, "policies": 80, "packed": 60, "drift": 40},
+    "gpu-full": {"suite": 1800, "decode": 3600, "policies": 1200, "packed": 1200, "drift": 600},
+    "cpu": {"suite": 600, "decode": 600, "policies": 600, "packed": 600, "drift": 600},
+}
+STOP_GRACE_S = 5  # SIGTERM, then SIGKILL this much later
+SUITE_TEST_TIMEOUT_S = 60  # pytest-timeout's limit per test on a GPU
+MAX_FAILED_LISTED = 100  # in gpu.md; the JSON lists every one
 
 # Floors of docs/gpu.md (H100, bfloat16, batch 1, 1k prompt unless said).
 DECODE_SPEEDUP_FLOOR = 1.3  # kvcache compiled / transformers' static cache compiled
@@ -86,6 +118,7 @@ def decode_runs(device: str, quick: bool) -> list[list[str]]:
         timing = ["--new-tokens", "32", "--repeats", "2"]
         return [common + timing + ["--shapes", "1B@1k", "--batch", "1,16"],
                 common + timing + ["--shapes", "8B@1k", "--batch", "1"]]
+    # Runs of one model follow each other: run_decode builds it once for both.
     timing = ["--new-tokens", "64", "--repeats", "3"]
     return [common + timing + ["--shapes", "1B@1k", "--batch", "1,16,64"],
             common + timing + ["--shapes", "1B@32k", "--batch", "1"],
@@ -95,14 +128,17 @@ def decode_runs(device: str, quick: bool) -> list[list[str]]:
 
 def policies_run(device: str, quick: bool) -> list[str]:
     if device == "cpu":
-        return ["--device", "cpu", "--compiled", "--model", "tiny", "--policies", "window,h2o",
+        return ["--device", "cpu", "--compiled", "--model", "tiny", "--policies", "window,h2o", "--group-size", "1",
                 "--cache-length", "64", "--prompt", "256", "--steps", "4", "--repeats", "1", "--threads", "1"]
-    floor_policies = "window,sink,sink_absolute,h2o,tova,snapkv"
-    # Every policy whose step can be captured (policies.py skips the _reserve64 variants under compile).
-    chosen = floor_policies if quick else ",".join(name for name in policies.POLICIES if name != "dense")
+    # One of each floor first (window <= 1.05x dense, h2o <= 1.2x): each policy is a group of its
+    # own, its figure saved once timed, so a part stopped at its budget keeps the first ones.
+    floor_policies = "window,h2o,sink,tova,snapkv,sink_absolute"
+    # Every policy whose step can be captured (batched eviction, the _reserve64 variants, is not).
+    captured = [name for name, options in policies.POLICIES.items() if name != "dense" and not options.get("reserve")]
+    chosen = floor_policies if quick else ",".join(dict.fromkeys(floor_policies.split(",") + captured))
     steps, repeats = ("32", "2") if quick else ("64", "3")
     return ["--device", device, "--compiled", "--model", "1B", "--dtype", "bfloat16", "--policies", chosen,
-            "--cache-length", "2048", "--prompt", "8192", "--steps", steps, "--repeats", repeats]
+            "--group-size", "1", "--cache-length", "2048", "--prompt", "8192", "--steps", steps, "--repeats", repeats]
 
 
 def packed_runs(device: str, quick: bool) -> dict[str, list[str]]:
@@ -115,6 +151,8 @@ def packed_runs(device: str, quick: bool) -> dict[str, list[str]]:
         common = ["--device", device, "--dtype", "bfloat16", "--storages", "int8,int4,int2", "--batch", "16",
                   "--speed-tokens", "32768", "--steps", steps, "--repeats", repeats, "--new-tokens", new,
                   "--model", "1B"]
+        if quick:  # the floor's pair: a 32k prompt at batch 16 is prefilled once per cache
+            common += ["--caches", "dense,dense:int4"]
     return {"layer": common + ["--parts", "layer"], "model": common + ["--parts", "model"]}
 
 
@@ -125,41 +163,243 @@ def drift_setup(device: str) -> tuple[list[str], drift.Setup]:
     return ["bfloat16", "float32"], drift.Setup()
 
 
-def suite_command(device: str, quick: bool, junit: Path) -> list[str]:
+def suite_workers(device: str) -> int | None:
+    """pytest-xdist workers for the suite: on a GPU one per CPU core less two, at most 14 (each
+    holds a CUDA context); None (serial) on the CPU, where the smoke test runs a few tests."""
+    if device == "cpu":
+        return None
+    return max(1, min(14, (os.cpu_count() or 1) - 2))
+
+
+def suite_command(device: str, quick: bool, junit: Path, workers: int | None = None,
+                  test_timeout: int | None = None) -> list[str]:
     # On the CPU the suite itself is CI's first step: the smoke test runs the device fixture's tests.
     tests = ["tests/test_test_device.py"] if device == "cpu" and quick else ["tests"]
-    return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *tests]
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "benchmarks.outcomes_plugin",
+               f"--junitxml={junit}"]
+    if workers is not None:
+        command += ["-n", str(workers), "--max-worker-restart", "400"]
+    if test_timeout is not None:
+        command += ["--timeout", str(test_timeout)]
+    return command + tests
 
 
-# ---- parts ----------------------------------------------------------------------------------------------
+def parse_budgets(text: str, error) -> dict[str, float]:
+    """``PART=S[,PART=S...]`` as {part: seconds}; ``error(message)`` (argparse's) when it is not that."""
+    budgets: dict[str, float] = {}
+    for item in (item.strip() for item in text.split(",")):
+        if not item:
+            continue
+        part, sep, value = item.partition("=")
+        part = part.strip()
+        if not sep:
+            error(f"--budget-s {text!r}: {item!r} is not PART=SECONDS (e.g. suite=200,decode=150)")
+        if part not in PARTS:
+            error(f"--budget-s {text!r}: unknown part {part!r}; choose from {','.join(PARTS)}")
+        if part in budgets:
+            error(f"--budget-s {text!r}: {part} is given twice")
+        try:
+            seconds = float(value)
+        except ValueError:
+            error(f"--budget-s {text!r}: {part}'s budget {value.strip()!r} is not a number of seconds")
+        if not seconds > 0 or seconds == float("inf"):
+            error(f"--budget-s {text!r}: {part}'s budget must be a positive number of seconds, not {value.strip()!r}")
+        budgets[part] = seconds
+    if not budgets:
+        error(f"--budget-s {text!r}: give PART=SECONDS, e.g. suite=200,decode=150")
+    return budgets
 
 
-def run_suite(device: str, quick: bool, out: Path) -> dict:
-    junit = out / "suite.xml"
-    command = suite_command(device, quick, junit)
-    env = {**os.environ, "KVCACHE_TEST_DEVICE": device}
-    log(f"suite: KVCACHE_TEST_DEVICE={device} {' '.join(command[1:])}")
-    start = time.perf_counter()
-    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
-    (out / "suite.log").write_text(proc.stdout + proc.stderr)
-    result = {"command": f"KVCACHE_TEST_DEVICE={device} python " + " ".join(command[1:]), "returncode": proc.returncode,
-              "seconds": round(time.perf_counter() - start, 1), "log": str(out / "suite.log")}
-    if junit.exists():
-        suite = ET.parse(junit).getroot()
-        suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
-        counts = {key: int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped")}
-        counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
-        failed = [f"{case.get('classname')}::{case.get('name')}" for case in suite.iter("testcase")
-                  if case.find("failure") is not None or case.find("error") is not None]
-        result.update(counts, failed=failed)
-    else:
-        result["tail"] = (proc.stdout + proc.stderr)[-2000:]
+def default_budgets(device: torch.device, quick: bool) -> dict[str, float]:
+    return dict(BUDGETS["cpu" if device.type == "cpu" else "gpu-quick" if quick else "gpu-full"])
+
+
+# ---- processes under a budget --------------------------------------------------------------------------
+
+_RUNNING: set[subprocess.Popen] = set()
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Ends ``proc`` and what it started (its own process group): SIGTERM, then SIGKILL."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=STOP_GRACE_S)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # whatever of the group is left
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def wait_limited(proc: subprocess.Popen, budget: float | None) -> tuple[int, bool]:
+    """Waits for ``proc`` at most ``budget`` seconds, then stops it: (exit status, timed out). Stops
+    it too when this process is interrupted."""
+    try:
+        proc.wait(timeout=budget)
+        return proc.returncode, False
+    except subprocess.TimeoutExpired:
+        _stop(proc)
+        return proc.returncode, True
+    except BaseException:
+        _stop(proc)
+        raise
+    finally:
+        _RUNNING.discard(proc)
+
+
+def start(command: list[str], **popen) -> subprocess.Popen:
+    """``command`` in a process group of its own (what it starts ends with it when it is stopped)."""
+    proc = subprocess.Popen(command, cwd=ROOT, start_new_session=True, **popen)
+    _RUNNING.add(proc)
+    return proc
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise SystemExit(128 + signum)  # unwinds wait_limited and main, which stop the parts' processes
+
+
+def timed_out(budget: float) -> str:
+    return f"timed out after {budget:g} s"
+
+
+# ---- the suite --------------------------------------------------------------------------------------------
+
+
+def failure_message(text: str) -> str:
+    """The line a failure's text ends on (its last ``E`` line), for counting failures of one kind."""
+    if "crashed while running" in text:
+        return "an xdist worker ended while running the test (a crash, or the plugin's exit after a CUDA error)"
+    errors = [line[1:].strip() for line in text.splitlines() if line.startswith("E ")]
+    lines = errors or text.strip().splitlines() or [""]
+    return lines[-1][:200]
+
+
+def read_outcomes(path: Path) -> dict:
+    """The suite's counts from the outcomes plugin's lines, one outcome per test: failed (its call
+    failed, or xdist reported its worker dead), error (its setup or teardown failed), xfailed,
+    skipped or passed; the failed tests' ids and the ten commonest failure messages."""
+    by_test: dict[str, list[dict]] = {}
+    collected, finished = 0, False
+    for text in path.read_text().splitlines():
+        try:
+            line = json.loads(text)
+        except json.JSONDecodeError:  # a line cut by a kill
+            continue
+        if line.get("event") == "collected":
+            collected = max(collected, line["count"])
+        elif line.get("event") == "finished":
+            finished = True
+        elif "nodeid" in line:
+            by_test.setdefault(line["nodeid"], []).append(line)
+    outcomes: dict[str, str] = {}
+    messages: collections.Counter = collections.Counter()
+    for nodeid, lines in by_test.items():
+        failed = [line for line in lines if line["outcome"] == "failed"]
+        # The line that decides: a failed call, then a failed setup or teardown, then xdist's report.
+        failed.sort(key=lambda line: {"call": 0, "setup": 1, "teardown": 1, "collect": 1}.get(line["when"], 2))
+        if failed:
+            outcomes[nodeid] = "error" if failed[0]["when"] in ("setup", "teardown", "collect") else "failed"
+            messages[failure_message(failed[0].get("longrepr", ""))] += 1
+        elif any(line["outcome"] == "skipped" for line in lines):
+            outcomes[nodeid] = "xfailed" if any(line.get("wasxfail") for line in lines) else "skipped"
+        else:
+            outcomes[nodeid] = "passed"
+    counts = collections.Counter(outcomes.values())
+    return {
+        "tests": max(collected, len(outcomes)), "passed": counts["passed"], "failures": counts["failed"],
+        "errors": counts["error"], "skipped": counts["skipped"], "xfailed": counts["xfailed"],
+        "not_reported": max(0, collected - len(outcomes)), "finished": finished,
+        "failed": [nodeid for nodeid, outcome in outcomes.items() if outcome in ("failed", "error")],
+        "commonest_failures": [{"count": n, "message": m} for m, n in messages.most_common(10)],
+    }
+
+
+def read_junit(junit: Path) -> dict:
+    suite = ET.parse(junit).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    counts = {key: int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped")}
+    counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    failed = [f"{case.get('classname')}::{case.get('name')}" for case in suite.iter("testcase")
+              if case.find("failure") is not None or case.find("error") is not None]
+    return {**counts, "failed": failed}
+
+
+def start_suite(device: str, quick: bool, out: Path, budget: float | None) -> dict:
+    """Starts the suite's pytest (``finish_suite`` waits for it): what ``finish_suite`` needs."""
+    junit, outcomes, log_path = out / "suite.xml", out / "suite-outcomes.jsonl", out / "suite.log"
+    for path in (junit, outcomes):
+        path.unlink(missing_ok=True)
+    workers, note = suite_workers(device), None
+    if workers is not None and importlib.util.find_spec("xdist") is None:
+        workers, note = None, "pytest-xdist is not installed: the suite ran serially (pip install pytest-xdist)"
+        log(f"suite: {note}")
+    test_timeout = None
+    if device != "cpu" and importlib.util.find_spec("pytest_timeout") is not None:
+        test_timeout = SUITE_TEST_TIMEOUT_S
+    command = suite_command(device, quick, junit, workers, test_timeout)
+    # The repository root on the path: the plugin is benchmarks.outcomes_plugin (the benchmarks
+    # folder itself would shadow packages such as vllm with scripts of the same name).
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "KVCACHE_TEST_DEVICE": device, "KVCACHE_OUTCOMES": str(outcomes), "PYTHONPATH": path}
+    shown = f"KVCACHE_TEST_DEVICE={device} python " + " ".join(command[1:])
+    log(f"suite: {shown} (budget {budget:g} s)" if budget else f"suite: {shown}")
+    with log_path.open("w") as stream:
+        proc = start(command, stdout=stream, stderr=subprocess.STDOUT, env=env)
+    state = {"proc": proc, "began": time.perf_counter(), "budget": budget, "command": shown, "workers": workers,
+             "note": note, "junit": junit, "outcomes": outcomes, "log": log_path}
+
+    # A clock of its own: on the CPU the suite runs alongside the other parts, finish_suite comes later.
+    def note_the_end() -> None:
+        proc.wait()
+        state.setdefault("ended", time.perf_counter())
+
+    def stop_at_budget() -> None:
+        if proc.poll() is None:
+            state["stopped"] = True
+            _stop(proc)
+
+    threading.Thread(target=note_the_end, daemon=True).start()
+    if budget is not None:
+        state["timer"] = threading.Timer(budget, stop_at_budget)
+        state["timer"].daemon = True
+        state["timer"].start()
+    return state
+
+
+def finish_suite(state: dict) -> dict:
+    """Waits for the suite (``start_suite``) until its budget is spent, then reads its outcomes."""
+    budget, outcomes, junit, log_path = state["budget"], state["outcomes"], state["junit"], state["log"]
+    try:
+        returncode, _ = wait_limited(state["proc"], None)  # stopped at its budget by start_suite's timer
+    finally:
+        if "timer" in state:
+            state["timer"].cancel()
+    stopped = state.get("stopped", False)
+    seconds = round(state.get("ended", time.perf_counter()) - state["began"], 1)
+    result = {"command": state["command"], "returncode": returncode, "seconds": seconds,
+              "workers": state["workers"] or 1, "log": str(log_path), "outcomes": str(outcomes)}
+    if state["note"]:
+        result["note"] = state["note"]
+    if stopped:
+        result["timed_out"] = timed_out(budget)
+    if outcomes.exists():
+        result.update(read_outcomes(outcomes))
+    elif junit.exists():
+        result.update(read_junit(junit))
+    if "tests" not in result or not result["tests"]:
+        result["tail"] = log_path.read_text()[-2000:]
     log(f"suite: {result.get('passed')} passed, {result.get('failures')} failed, {result.get('errors')} errors, "
-        f"{result.get('skipped')} skipped (exit {proc.returncode})")
+        f"{result.get('skipped')} skipped of {result.get('tests')} in {seconds} s (exit {returncode}"
+        f"{', ' + result['timed_out'] if stopped else ''})")
     return result
 
 
-def run_decode(device: str, quick: bool, out: dict, save) -> dict:
+# ---- the other parts, each in a process of its own (``--child``) -----------------------------------------
+
+
+def run_decode(device: str, quick: bool, out: dict, save) -> None:
     """Every cell into ``out``, ``save()`` after each; a command line that fails leaves its traceback
     under ``errors`` and the others run."""
     out.update({"commands": [], "bandwidth_GBps": [], "cells": {}, "errors": {}})
@@ -168,35 +408,46 @@ def run_decode(device: str, quick: bool, out: dict, save) -> dict:
         out["cells"][name] = figures
         save()
 
+    models: dict = {}  # the last model built, used again by the next run of the same shape's model
     for argv in decode_runs(device, quick):
         command = "python benchmarks/decode.py " + " ".join(argv)
         out["commands"].append(command)
         log(command)
+        save()
         try:
-            result = decode.run(decode.parser().parse_args(argv), fail, on_cell)
+            result = decode.run(decode.parser().parse_args(argv), fail, on_cell, models)
         except Exception:
             out["errors"][command.split("--shapes ")[1].split()[0]] = traceback.format_exc()
             log(f"decode failed:\n{traceback.format_exc()}")
+            models.clear()
             decode.free_memory(decode.parse_device(device, fail))
             continue
         out["bandwidth_GBps"].append(result["bandwidth_GBps"])
         out["cells"].update(result["shapes"])
-    return out
+        save()
 
 
-def run_policies(device: str, quick: bool) -> dict:
+def run_policies(device: str, quick: bool, out: dict, save) -> None:
+    """The report as it stands after every group of policies into ``out``, ``save()`` after each."""
     argv = policies_run(device, quick)
-    command = "python benchmarks/policies.py " + " ".join(argv)
-    log(command)
-    return {"command": command, **policies.run(policies.parser().parse_args(argv), fail)}
+    out["command"] = "python benchmarks/policies.py " + " ".join(argv)
+    log(out["command"])
+    save()
+
+    def on_group(report: dict) -> None:
+        out.update(report)
+        save()
+
+    out.update(policies.run(policies.parser().parse_args(argv), fail, on_group))
 
 
-def run_packed(device: str, quick: bool) -> dict:
+def run_packed(device: str, quick: bool, out: dict, save) -> None:
     """The layer and the model figures; a sub-part that fails leaves its traceback under ``errors``."""
-    out: dict = {"commands": [], "errors": {}}
+    out.update({"commands": [], "errors": {}})
     for sub, argv in packed_runs(device, quick).items():
         out["commands"].append("python benchmarks/quantized.py " + " ".join(argv))
         log(out["commands"][-1])
+        save()
         try:
             result = quantized.run(quantized.parser().parse_args(argv), fail)
         except Exception:
@@ -204,13 +455,21 @@ def run_packed(device: str, quick: bool) -> dict:
             log(f"packed {sub} failed:\n{out['errors'][sub]}")
             continue
         out.update({key: value for key, value in result.items() if key in ("layer_speed", "model_speed")})
-    return out
+        save()
 
 
-def run_drift(device: str, quick: bool) -> dict:
+def run_drift(device: str, quick: bool, out: dict, save) -> None:
+    """One dtype at a time (``save()`` after each), into one report."""
     dtypes, setup = drift_setup(device)
-    log(f"drift: the bundled model, {','.join(dtypes)} on {device}")
-    return drift.report(None, dtypes, device=device, setup=setup)
+    for dtype in dtypes:
+        log(f"drift: the bundled model, {dtype} on {device}")
+        report = drift.report(None, [dtype], device=device, setup=setup)
+        results = out.get("results", []) + report["results"]
+        out.update(report, results=results)
+        save()
+
+
+RUNNERS = {"decode": run_decode, "policies": run_policies, "packed": run_packed, "drift": run_drift}
 
 
 # ---- floors and the table ------------------------------------------------------------------------------
@@ -263,20 +522,42 @@ def number(value, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def suite_markdown(suite: dict) -> list[str]:
+    lines = ["## Test suite", "", "| command | passed | failed | errors | skipped | not reported | seconds |",
+             "|---|---|---|---|---|---|---|",
+             f"| `{suite['command']}` | {suite.get('passed')} | {suite.get('failures')} | {suite.get('errors')} | "
+             f"{suite.get('skipped')} | {suite.get('not_reported', 0)} | {suite['seconds']} |", ""]
+    notes = [suite[key] for key in ("timed_out", "note") if key in suite]
+    if suite.get("tests") and not suite.get("finished", True):
+        notes.append(f"the run did not finish: {suite['tests']} collected, {suite.get('not_reported', 0)} without an outcome")
+    lines += [f"- {note}" for note in notes] + ([""] if notes else [])
+    if suite.get("commonest_failures"):
+        lines += ["| failures | message |", "|---|---|"]
+        lines += [f"| {row['count']} | `{row['message'].replace('|', '/')}` |" for row in suite["commonest_failures"]]
+        lines.append("")
+    failed = suite.get("failed", [])
+    lines += [f"- failed: `{name}`" for name in failed[:MAX_FAILED_LISTED]]
+    if len(failed) > MAX_FAILED_LISTED:
+        lines.append(f"- ... and {len(failed) - MAX_FAILED_LISTED} more (every one in gpu.json; tracebacks in {suite.get('outcomes')})")
+    return lines + ([""] if failed else [])
+
+
 def markdown(report: dict) -> str:
     meta = report["meta"]
     lines = [f"# kvcache GPU run: {meta['device_name']}", "",
              f"{meta['started']}, torch {meta['torch']}, triton {meta['triton']}, transformers {meta['transformers']}, "
              f"kvcache {meta['kvcache']}, {'quick' if meta['quick'] else 'full'} run, {report.get('seconds', '-')} s.", ""]
+    if meta.get("budgets_s"):
+        spent = report.get("part_seconds", {})
+        lines += ["Budgets (s spent / s allowed): " + ", ".join(
+            f"{part} {spent.get(part, '-')} / {budget:g}" for part, budget in meta["budgets_s"].items()) + ".", ""]
     if meta["device"] == "cpu":
         lines += ["A smoke test of benchmarks/gpu.py on tiny shapes: its figures say nothing about the GPU floors.", ""]
-    suite = report.get("suite")
-    if suite:
-        lines += ["## Test suite", "", "| command | passed | failed | errors | skipped | seconds |", "|---|---|---|---|---|---|",
-                  f"| `{suite['command']}` | {suite.get('passed')} | {suite.get('failures')} | {suite.get('errors')} | "
-                  f"{suite.get('skipped')} | {suite['seconds']} |", ""]
-        lines += [f"- failed: `{name}`" for name in suite.get("failed", [])]
-        lines += [""] if suite.get("failed") else []
+    if report.get("timed_out"):
+        lines += ["Stopped at their budgets (what they measured before is below): "
+                  + ", ".join(f"{part} {why}" for part, why in report["timed_out"].items()) + ".", ""]
+    if report.get("suite"):
+        lines += suite_markdown(report["suite"])
     cells = report.get("decode", {}).get("cells", {})
     if cells:
         lines += ["## Decode (tok/s per row; compile s)", "",
@@ -315,7 +596,7 @@ def markdown(report: dict) -> str:
         lines += ["## Packed codes: end-to-end decode", "", "| cache | ms per step | speed-up over full precision |", "|---|---|---|"]
         lines += [f"| {name} | {row['median_ms']} | {row['speedup_vs_full_precision']} |" for name, row in per_token.items()]
         lines.append("")
-    if report.get("drift"):
+    if report.get("drift", {}).get("results"):
         lines += ["## Drift (`kvcache drift`)", "", "```", drift.table(report["drift"]).rstrip(), "```", ""]
     if report.get("floors"):
         lines += ["## Floors", "", "| floor | bound | value | met |", "|---|---|---|---|"]
@@ -345,8 +626,99 @@ def meta(device: torch.device, quick: bool) -> dict:
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({platform.machine()})",
         "torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton_version,
         "transformers": transformers.__version__, "kvcache": kvcache.__version__,
-        "python": platform.python_version(), "quick": quick,
+        "python": platform.python_version(), "quick": quick, "cpu_count": os.cpu_count(),
     }
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """A reader (the parent of a part's process, one that is stopped mid-write) sees the old file or the new one."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
+def start_parts(parts: list[str], args, where: Path) -> subprocess.Popen:
+    """A process (this script with ``--child``) that runs ``parts`` one after the other, started
+    ahead of its turn: it loads what the parts use, then waits for a line on its stdin
+    (``run_parts`` sends it)."""
+    command = [sys.executable, str(Path(__file__).resolve()), "--child", "--wait-turn", "--device", args.device,
+               "--parts", ",".join(parts), "--out", str(where)] + (["--quick"] if args.quick else [])
+    # Its log goes where this one's goes; stdout stays this script's table.
+    return start(command, stdin=subprocess.PIPE, stdout=sys.stderr, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def read_report(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):  # not written yet (it is replaced whole, never cut)
+        return {}
+
+
+def run_parts(parts: list[str], proc: subprocess.Popen, budgets: dict, where: Path, report: dict) -> list[str]:
+    """Gives the process of ``parts`` (``start_parts``) its turn and follows the part it runs (its
+    JSON's ``running``): a part that passes its budget is stopped with the process. Puts each
+    part's figures (as far as it got), errors, seconds and time-out into ``report``; returns the
+    parts it did not reach (after a part was stopped, or the process ended inside one)."""
+    log(f"{', '.join(parts)}: a process, budgets " + ", ".join(f"{part} {budgets[part]:g} s" for part in parts))
+    try:
+        proc.stdin.write(b"go\n")
+        proc.stdin.close()
+    except BrokenPipeError:  # it ended while it waited: its exit status says so
+        pass
+    path = where / "gpu.json"
+    # The first part's clock runs from its turn; each next one's from when the process names it.
+    current, since, stopped = parts[0], time.perf_counter(), None
+    try:
+        while True:
+            try:
+                proc.wait(timeout=0.25)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            running = read_report(path).get("running", current)
+            if running != current:
+                current, since = running, time.perf_counter()
+            if time.perf_counter() - since > budgets[current]:
+                stopped = current
+                _stop(proc)
+                break
+    except BaseException:
+        _stop(proc)
+        raise
+    finally:
+        _RUNNING.discard(proc)
+    child = read_report(path)
+    done = child.get("done", [])
+    if not stopped:  # the part it was in when it ended, if it ended inside one
+        current = child.get("running", current)
+    for part in parts:
+        if part in child:
+            report[part] = child[part]
+        if part in child.get("part_seconds", {}):
+            report.setdefault("part_seconds", {})[part] = child["part_seconds"][part]
+    report["errors"].update(child.get("errors", {}))
+    if stopped:
+        report.setdefault(stopped, {})["timed_out"] = report["timed_out"][stopped] = timed_out(budgets[stopped])
+        report.setdefault("part_seconds", {})[stopped] = round(time.perf_counter() - since, 1)
+        log(f"{stopped}: {timed_out(budgets[stopped])}; keeping what it wrote")
+    elif current not in done:  # the process ended inside a part (killed, out of memory?)
+        report["errors"][current] = (f"its process ended with exit status {proc.returncode} while it ran {current}: "
+                                     "see the log")
+    # The parts after the one it was in when it ended: a new process runs them.
+    return [part for part in parts[parts.index(current) + 1 :] if part not in done] if current in parts else []
+
+
+def prepare(parts: list[str]) -> None:
+    """Loads what ``parts`` load on their first step (transformers' Llama; torch's compiler, which a
+    first compile in a process takes seconds to set up, for decode and policies), as their process
+    waits for its turn. Nothing here touches a GPU."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: F401
+
+    if {"decode", "policies"} & set(parts):
+        try:
+            torch.compile(lambda x: x * 2 + 1, fullgraph=True)(torch.ones(4))
+        except Exception as e:  # no C++ compiler, say: the part's own first compile will say more
+            log(f"(a warm-up compile on the CPU failed: {type(e).__name__}: {e})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -354,7 +726,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (a smoke test, with --quick)")
     p.add_argument("--quick", action="store_true", help="the floor cells only, fewer steps (see the docstring)")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    p.add_argument("--budget-s", metavar="PART=S[,PART=S...]",
+                   help="wall-clock seconds of some parts (a part still running then is stopped, its figures so far "
+                        f"kept); defaults: --quick on a GPU {BUDGETS['gpu-quick']}, a full run {BUDGETS['gpu-full']}, "
+                        f"the CPU {BUDGETS['cpu']['suite']} s each")
     p.add_argument("--out", type=Path, default=Path("gpu-run"), help="directory of gpu.json and gpu.md (default gpu-run)")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # the parts, in this process
+    p.add_argument("--wait-turn", action="store_true", help=argparse.SUPPRESS)  # --child: start on a line of stdin
     args = p.parse_args(argv)
     device = decode.parse_device(args.device, p.error)
     parts = [part.strip() for part in args.parts.split(",") if part.strip()]
@@ -362,45 +740,116 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--parts {args.parts!r}: choose from {','.join(PARTS)}")
     if device.type == "cpu" and not args.quick:
         p.error("--device cpu runs the tiny smoke-test shapes only: add --quick")
-    args.out.mkdir(parents=True, exist_ok=True)
-    json_path, md_path = args.out / "gpu.json", args.out / "gpu.md"
-
+    budgets = default_budgets(device, args.quick)
+    if args.budget_s is not None:
+        budgets.update(parse_budgets(args.budget_s, p.error))
+    if args.child and "suite" in parts:
+        p.error("--child runs parts other than the suite")
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    if args.wait_turn:
+        prepare(parts)
+        if not sys.stdin.readline():  # the parent ended before these parts' turn
+            return 1
+    args.out.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = args.out / "gpu.json", args.out / "gpu.md"
     report: dict = {"meta": meta(device, args.quick), "errors": {}}
+    parts = [part for part in PARTS if part in parts]
+    if not args.child:
+        report["meta"]["budgets_s"] = {part: budgets[part] for part in parts}
+        report["timed_out"] = {}
     start = time.perf_counter()
 
     def save() -> None:
-        """Both files as the report stands (after every part, and after every decode cell)."""
+        """The files as the report stands (after every part, and after every cell, group or dtype of one)."""
         report["floors"] = floors(report)
         report["seconds"] = round(time.perf_counter() - start, 1)
-        json_path.write_text(json.dumps(report, indent=2) + "\n")
-        md_path.write_text(markdown(report) + "\n")
+        write_atomically(json_path, json.dumps(report, indent=2) + "\n")
+        if not args.child:
+            write_atomically(md_path, markdown(report) + "\n")
 
-    runners = {"suite": lambda: run_suite(args.device, args.quick, args.out),
-               "decode": lambda: run_decode(args.device, args.quick, report.setdefault("decode", {}), save),
-               "policies": lambda: run_policies(args.device, args.quick),
-               "packed": lambda: run_packed(args.device, args.quick),
-               "drift": lambda: run_drift(args.device, args.quick)}
-    for part in (part for part in PARTS if part in parts):
-        part_start = time.perf_counter()
+    if args.child:
+        if device.type == "cpu":
+            # As the benchmarks' own --threads 1: on a small shared machine torch's parallel regions
+            # stall (drift's would take 5x longer on 2 cores).
+            torch.set_num_threads(1)
+        report["done"], report["part_seconds"] = [], {}
+        for part in parts:
+            report["running"] = part  # the parent's clock for this part's budget
+            save()
+            part_start = time.perf_counter()
+            try:
+                RUNNERS[part](args.device, args.quick, report.setdefault(part, {}), save)
+            except Exception:  # reported to the parent through the JSON
+                report["errors"][part] = traceback.format_exc()
+                log(f"{part} failed:\n{report['errors'][part]}")
+            # A part whose runs are kept apart (decode, packed) lists the tracebacks of those that failed.
+            for sub, error in (report[part].get("errors") or {}).items() if part in ("decode", "packed") else ():
+                report["errors"][f"{part} {sub}"] = error
+            report["part_seconds"][part] = round(time.perf_counter() - part_start, 1)
+            report["done"].append(report.pop("running"))
+            decode.free_memory(device)
+            save()
+        return 1 if report["errors"] else 0
+
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    log("budgets: " + ", ".join(f"{part} {budgets[part]:g} s" for part in parts)
+        + f" (at most {sum(budgets[part] for part in parts):g} s)")
+    # A GPU gives each part a process of its own: a CUDA error, memory held or compiled graphs of one
+    # part do not reach the next. On the CPU (the smoke test) one process runs them all, as
+    # processes cost more there than the parts, and the suite (the device fixture's few tests, in
+    # pytest processes of their own) runs alongside them, which take one thread.
+    benchmarks = [part for part in parts if part != "suite"]
+    groups = [benchmarks] if device.type == "cpu" and benchmarks else [[part] for part in benchmarks]
+    alongside = device.type == "cpu" and "suite" in parts and bool(benchmarks)
+    suite: dict | None = None
+
+    def end_suite() -> None:
         try:
-            report[part] = runners[part]()
-        except Exception:  # a part that crashes is reported; the others still run
-            report["errors"][part] = traceback.format_exc()
-            log(f"{part} failed:\n{report['errors'][part]}")
-        # A part whose runs are kept apart (decode, packed) lists the tracebacks of those that failed.
-        part_errors = report.get(part, {}).get("errors") if part in ("decode", "packed") else None
-        for sub, error in (part_errors or {}).items():
-            report["errors"][f"{part} {sub}"] = error
-        report.setdefault("part_seconds", {})[part] = round(time.perf_counter() - part_start, 1)
-        decode.free_memory(device)
+            report["suite"] = finish_suite(suite)
+        except Exception:
+            report["errors"]["suite"] = traceback.format_exc()
+            log(f"suite failed:\n{report['errors']['suite']}")
+        if "timed_out" in report.get("suite", {}):
+            report["timed_out"]["suite"] = timed_out(budgets["suite"])
+        report.setdefault("part_seconds", {})["suite"] = report.get("suite", {}).get("seconds")
         save()
+
+    with tempfile.TemporaryDirectory(prefix="kvcache-gpu-parts-") as workdir:
+        # Each group's process starts while the part before it runs (the first with the suite).
+        waiting = [(group, start_parts(group, args, Path(workdir) / str(i))) for i, group in enumerate(groups[:1])]
+        try:
+            if "suite" in parts:
+                try:
+                    suite = start_suite(args.device, args.quick, args.out, budgets["suite"])
+                except Exception:
+                    report["errors"]["suite"] = traceback.format_exc()
+                    log(f"suite failed:\n{report['errors']['suite']}")
+                    save()
+                if suite is not None and not alongside:
+                    end_suite()
+            for i in range(len(groups)):
+                group, proc = waiting.pop(0)
+                if i + 1 < len(groups):
+                    waiting.append((groups[i + 1], start_parts(groups[i + 1], args, Path(workdir) / str(i + 1))))
+                where = Path(workdir) / str(i)
+                while group:  # after a part is stopped, the rest of its group in a new process
+                    group = run_parts(group, proc, budgets, where, report)
+                    save()
+                    if group:
+                        where = where.with_name(where.name + "+")
+                        proc = start_parts(group, args, where)
+            if alongside and suite is not None:
+                end_suite()
+        finally:
+            for proc in list(_RUNNING):  # a part waiting for its turn, or the suite, when this run is interrupted
+                _stop(proc)
+                _RUNNING.discard(proc)
     log(f"wrote {json_path} and {md_path} ({report['seconds']} s)")
     print(markdown(report))
     suite_failed = "suite" in report and report["suite"]["returncode"] != 0
-    return 1 if report["errors"] or suite_failed else 0
+    return 1 if report["errors"] or report["timed_out"] or suite_failed else 0
 
 
 if __name__ == "__main__":

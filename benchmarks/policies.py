@@ -17,7 +17,10 @@ CUDA) of every policy whose decode step can be captured (not the ``_reserve64`` 
 eviction is decided on the host); the capture is made before the timed steps and its seconds are
 reported. ``--device cuda`` runs there, the device synchronised before and after every timed
 step; ``--model`` picks a geometry of benchmarks/decode.py (random weights) instead of the default
-small one, ``--dtype`` its precision. Prints one JSON object.
+small one, ``--dtype`` its precision. ``--group-size N`` times the policies N at a time, each group
+taking turns with dense steps of its own (its rows' ``vs_dense`` is against those, reported as
+``dense_step_ms``): a caller of ``run`` gets the report after every group, so a run cut short keeps
+the groups it finished. Prints one JSON object.
 
     python benchmarks/policies.py [--cache-length 1024 4096] [--steps 64] [--repeats 5]
     python benchmarks/policies.py --device cuda --model 1B --dtype bfloat16 --cache-length 2048 --prompt 8192 --compiled
@@ -36,7 +39,7 @@ from pathlib import Path
 import torch
 
 import kvcache
-from decode import DTYPES, MODELS, build_models, free_memory, parse_device, sync  # benchmarks/decode.py
+from decode import DTYPES, MODELS, allow_recompiles, build_models, free_memory, parse_device, sync  # benchmarks/decode.py
 from kvcache.compile import CompiledDecode
 
 POLICIES = {
@@ -103,6 +106,8 @@ def time_policies(model, cache_length: int, steps: int, repeats: int, prompt_tok
             if options.get("reserve"):
                 skipped[name] = "batched eviction is decided on the host: not captured"
         policies = {name: options for name, options in policies.items() if name not in skipped}
+    if compiled:
+        allow_recompiles()  # each policy's captured step is a compiled version of its own: more than 8
     caches = {name: kvcache.make_cache(model, policy_of(name), cache_length=cache_length, **options)
               for name, options in policies.items()}
     gen = torch.Generator().manual_seed(0)
@@ -179,23 +184,28 @@ def parser() -> argparse.ArgumentParser:
                         help="small (default: hidden 256, 4 layers) or a geometry of benchmarks/decode.py")
     parser.add_argument("--dtype", choices=list(DTYPES), default=None,
                         help="default: float32 on the CPU, bfloat16 elsewhere")
+    parser.add_argument("--group-size", type=int, default=0,
+                        help="time the policies this many at a time, each group with its own dense steps (default 0: all together)")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument("--out", help="also write the JSON here")
     return parser
 
 
-def run(args, error) -> dict:
-    """The benchmark of parsed ``args`` (the options of ``parser()``) as one JSON-ready dict."""
+def run(args, error, on_group=None) -> dict:
+    """The benchmark of parsed ``args`` (the options of ``parser()``) as one JSON-ready dict;
+    ``on_group(report)``, if given, is called with the report as it stands after every group."""
     if args.threads:
         torch.set_num_threads(args.threads)
     device = parse_device(args.device, error)
     dtype = DTYPES[args.dtype or ("float32" if device.type == "cpu" else "bfloat16")]
-    names = ["dense"] + [n.strip() for n in (args.policies or ",".join(POLICIES)).split(",")
-                         if n.strip() not in ("", "dense")]
+    names = [n.strip() for n in (args.policies or ",".join(POLICIES)).split(",") if n.strip() not in ("", "dense")]
     unknown = [n for n in names if n not in POLICIES]
     if unknown:
         error(f"unknown policies {unknown}; choose from {', '.join(POLICIES)}")
-    policies = {n: POLICIES[n] for n in names}
+    if args.group_size < 0:
+        error("--group-size must be >= 0 (0: every policy in one group)")
+    size = args.group_size or max(len(names), 1)
+    groups = [names[i : i + size] for i in range(0, len(names), size)] or [[]]
     dtype_name = str(dtype).removeprefix("torch.")
     if args.model == "small":
         model = build_model(hidden=256, layers=4, heads=4, kv_heads=2, vocab=4096, max_pos=65536,
@@ -214,10 +224,20 @@ def run(args, error) -> dict:
         "results": {},
     }
     for C in args.cache_length:
-        print(f"cache_length={C}", file=sys.stderr)
-        rows = time_policies(model, C, args.steps, args.repeats, args.prompt, args.compiled, policies)
-        compare(rows, args.compiled)
-        report["results"][str(C)] = rows
+        merged = report["results"][str(C)] = {}
+        for group in groups:
+            print(f"cache_length={C}" + (f": {', '.join(group)}" if len(groups) > 1 else ""), file=sys.stderr)
+            policies = {n: POLICIES[n] for n in ["dense", *group]}
+            rows = time_policies(model, C, args.steps, args.repeats, args.prompt, args.compiled, policies)
+            compare(rows, args.compiled)
+            if len(groups) > 1:
+                for name, row in rows.items():
+                    if name != "dense" and "step_ms" in row:
+                        row["dense_step_ms"] = rows["dense"]["step_ms"]
+            merged.setdefault("dense", rows["dense"])  # the first group's
+            merged.update((name, row) for name, row in rows.items() if name != "dense")
+            if on_group is not None:
+                on_group(report)
     return report
 
 

@@ -259,8 +259,11 @@ def measure_layer_speed(tokens: int, steps: int, repeats: int, device: torch.dev
     return {"tokens": tokens, "device": str(device), "geometry": geometry, "steps": out}
 
 
+MODEL_CACHES = ["dense", "dense:int8", "dense:int4", "dense:int2", "h2o", "h2o:int4", "h2o:int2"]
+
+
 def measure_model_speed(tokens: int, new: int, device: torch.device = CPU, dtype: torch.dtype = torch.float32,
-                        batch: int = B, model_key: str = "small") -> dict:
+                        batch: int = B, model_key: str = "small", names: list[str] = MODEL_CACHES) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -278,8 +281,6 @@ def measure_model_speed(tokens: int, new: int, device: torch.device = CPU, dtype
         described = f"random Llama, the {model_key} geometry of benchmarks/decode.py"
     vocab = model.config.vocab_size
     ids = torch.randint(3, vocab, (batch, tokens + new), generator=torch.Generator().manual_seed(3)).to(device)
-    names = [f"dense{'' if s == 'full' else ':' + s}" for s in ("full", "int8", "int4", "int2")]
-    names += [f"h2o{'' if s == 'full' else ':' + s}" for s in ("full", "int4", "int2")]
     caches = {}
     with torch.inference_mode():
         for name in names:
@@ -328,6 +329,9 @@ def parser() -> argparse.ArgumentParser:
                         help="the model speed's geometry: small (default) or one of benchmarks/decode.py")
     parser.add_argument("--storages", default=",".join(STORAGES),
                         help=f"the layer speed's storages (default {','.join(STORAGES)}; full is always timed)")
+    parser.add_argument("--caches", default=",".join(MODEL_CACHES),
+                        help=f"the model speed's caches (default {','.join(MODEL_CACHES)}; the full-precision cache "
+                             "of each policy named is always timed)")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     parser.add_argument("--memory-case", help=argparse.SUPPRESS)
     return parser
@@ -343,6 +347,12 @@ def run(args, error) -> dict:
     storages = ["full"] + [s.strip() for s in args.storages.split(",") if s.strip() not in ("", "full")]
     if any(s not in STORAGES for s in storages):
         error(f"--storages {args.storages!r}: choose from {','.join(STORAGES)}")
+    chosen = [c.strip() for c in args.caches.split(",") if c.strip()]
+    if not chosen or any(c not in MODEL_CACHES for c in chosen):
+        error(f"--caches {args.caches!r}: choose from {','.join(MODEL_CACHES)}")
+    # Each cache's reference, the full-precision cache of its policy, first: the order of MODEL_CACHES.
+    wanted = set(chosen) | {c.split(":")[0] for c in chosen}
+    caches = [c for c in MODEL_CACHES if c in wanted]
     if args.batch < 1:
         error("--batch must be >= 1")
     torch.set_num_threads(args.threads)
@@ -359,7 +369,7 @@ def run(args, error) -> dict:
                                                     args.batch, storages)
     if "model" in parts:
         report["model_speed"] = measure_model_speed(args.speed_tokens, args.new_tokens, device, dtype, args.batch,
-                                                    args.model)
+                                                    args.model, caches)
     report["floors"] = floors(report)
     return report
 
