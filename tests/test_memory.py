@@ -85,10 +85,13 @@ def test_chunked_long_prefill_memory_is_bounded(checkpoint_factory):
 
 def test_cache_bytes_match_geometry(llama):
     import kvcache
+    from kvcache.cache.positions import position_dtype
 
     cfg = llama.config
     cache = kvcache.make_cache(llama, cache_length=T)
-    per_slot = 2 * cfg.num_kv_heads * cfg.head_dim * 4 + 8
+    # Keys and values at float32, and each slot's position in the narrowest type holding T positions.
+    position = torch.tensor([], dtype=position_dtype(T)).element_size()
+    per_slot = 2 * cfg.num_kv_heads * cfg.head_dim * 4 + position
     assert cache.nbytes() == cfg.num_layers * (T + 1) * per_slot
     assert cache.nbytes() < 16 * MIB
     assert cache.layers[0].storage.k.dtype == torch.float32

@@ -273,6 +273,33 @@ def test_save_and_load(model, policy, tmp_path):
     assert names == set(after)
 
 
+@pytest.mark.parametrize("policy,storage", [("snapkv", "full"), ("dense", "kivi4"), ("window", "kivi2")])
+def test_a_store_saved_with_int64_positions_loads(model, policy, storage, tmp_path, monkeypatch):
+    """A store whose snapshots hold int64 positions (as kvcache once stored them) loads, and
+    reusing it gives the logits of a run without the store."""
+    from kvcache.cache import positions
+
+    monkeypatch.setattr(positions, "position_dtype", lambda limit=None: torch.long)
+    store = PrefixStore(model)
+    _prefill(model, policy, PROMPTS[:2], store, aligned=True, storage=storage)
+    store.save(tmp_path)
+    monkeypatch.undo()
+    saved = [t for e in json.loads((tmp_path / INDEX).read_text())["entries"] if "file" in e
+             for k, t in _entry_tensors(tmp_path / e["file"]).items() if k.endswith("storage.pos")]
+    assert saved and all(t.dtype == torch.long for t in saved)
+    loaded = PrefixStore.load(tmp_path, model)
+    ref, ref_cache = _prefill(model, policy, PROMPTS, aligned=True, storage=storage)
+    got, got_cache = _prefill(model, policy, PROMPTS, loaded, aligned=True, storage=storage)
+    assert torch.equal(ref, got) and _same_state(ref_cache, got_cache)
+    assert ref_cache.layers[0].storage.pos.dtype != torch.long
+
+
+def _entry_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
 def _saved(model, path: Path) -> Path:
     store = PrefixStore(model)
     _prefill(model, "dense", PROMPTS[:2], store)

@@ -30,6 +30,7 @@ import torch
 from .. import devices
 from ..errors import CapacityError
 from . import snapshot as snapshots
+from .positions import MAX_POSITIONS
 from .options import NoOptions
 from .snapshot import Snapshot, check_tensors, storage_buffers
 
@@ -242,7 +243,8 @@ class LayerCache(ABC):
         """Copy ``state`` (checked by ``check_state``) into rows ``rows`` ((n,) long) of this layer."""
         live = self.state()
         for name, t in state.items():
-            live[name].index_copy_(0, rows.to(live[name].device), t.to(live[name].device))
+            # (Positions of another integer type, checked to fit: an older snapshot's int64.)
+            live[name].index_copy_(0, rows.to(live[name].device), t.to(live[name].device, live[name].dtype))
 
     def config(self) -> dict[str, object]:
         """What makes this layer what it is, besides its batch size and contents, as JSON values:
@@ -379,6 +381,11 @@ class KVCache:
         min_start, max_start = int(start.min()), int(start.max())
         all_full = n_tokens is None or bool((n == T).all())
         decode = T == 1 and all_full
+        span_end = max_start + T if all_full else int((start + n).max())
+        if span_end > MAX_POSITIONS:
+            # Slots store positions as int32 at most (positions.py).
+            raise CapacityError(f"a row would see {span_end} tokens; a cache takes at most {MAX_POSITIONS} per row "
+                                "(positions are stored as int32). Reset the cache before that.")
         if decode:
             # Every field on the device from the device's own lengths: no host-to-device copy.
             positions = self.decode_positions()[:, None].clone()
@@ -403,7 +410,7 @@ class KVCache:
             n_tokens=n,
             fresh=max_start == 0,
             uniform=all_full and min_start == max_start,
-            span_end=max_start + T if all_full else int((start + n).max()),
+            span_end=span_end,
             min_start=min_start,
             start0=int(start[0]),
             decode=decode,

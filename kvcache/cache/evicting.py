@@ -243,7 +243,7 @@ class EvictingCache(LayerCache):
         # Among equally low priorities evict the oldest, so what is kept depends on positions,
         # never on slot order (which differs between a row alone and in a ragged batch).
         lowest = prio == prio.amin(-1, keepdim=True)
-        victim = torch.where(lowest, pos, torch.iinfo(torch.long).max).argmin(-1, keepdim=True)  # (B, Hp, 1)
+        victim = torch.where(lowest, pos, torch.iinfo(pos.dtype).max).argmin(-1, keepdim=True)  # (B, Hp, 1)
         store.settle(victim, k, v, step.positions)
         if self.stat_names:
             n, B, Hp, _ = self._stat_buffer.shape

@@ -19,6 +19,8 @@ from types import MappingProxyType
 
 import torch
 
+from . import positions
+
 
 @dataclass(frozen=True, eq=False)
 class Snapshot:
@@ -76,8 +78,22 @@ def storage_buffers(storage: object) -> dict[str, torch.Tensor]:
     return storage.buffers()
 
 
+def is_positions(name: str) -> bool:
+    """Whether state ``name`` holds stored positions (a storage's ``pos``, of any head)."""
+    return name.rpartition(".")[2] == "pos"
+
+
+def _other_positions(name: str, g: torch.Tensor, t: torch.Tensor) -> bool:
+    """Whether ``g`` holds positions of another integer type than the layer's ``t`` (a snapshot
+    taken when slots held int64 positions), each of which fits ``t``'s type."""
+    integer = not (g.is_floating_point() or g.is_complex() or g.dtype == torch.bool)
+    return is_positions(name) and g.dtype != t.dtype and integer and positions.fits(g, t.dtype)
+
+
 def check_tensors(live: Mapping[str, torch.Tensor], given: Mapping[str, torch.Tensor], rows: int, where: str) -> None:
-    """Raise ValueError unless ``given`` has ``live``'s names, dtypes and shapes for ``rows`` rows."""
+    """Raise ValueError unless ``given`` has ``live``'s names, dtypes and shapes for ``rows`` rows.
+    Positions may come in another integer type whose values fit the layer's (``load_state``
+    converts them): snapshots and prefix stores of caches that stored int64 positions."""
     missing, extra = sorted(set(live) - set(given)), sorted(set(given) - set(live))
     if missing or extra:
         raise ValueError(
@@ -87,7 +103,8 @@ def check_tensors(live: Mapping[str, torch.Tensor], given: Mapping[str, torch.Te
     for name, t in live.items():
         g = given[name]
         want = (rows, *t.shape[1:])
-        if not isinstance(g, torch.Tensor) or g.dtype != t.dtype or tuple(g.shape) != want:
+        if (not isinstance(g, torch.Tensor) or tuple(g.shape) != want
+                or (g.dtype != t.dtype and not _other_positions(name, g, t))):
             got = f"{g.dtype} {tuple(g.shape)}" if isinstance(g, torch.Tensor) else type(g).__name__
             raise ValueError(f"{where}: {name} is {got} in the snapshot, but this layer needs {t.dtype} {want}")
 

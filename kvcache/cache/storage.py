@@ -29,8 +29,10 @@ from .base import CacheSpec
 class Storage(Protocol):
     """What a layer cache asks of its slot buffers (``storages/``: full, token, kivi).
 
-    ``pos`` (B, Hp, C + 1) long holds each slot's absolute position, -1 when empty; slot C is
-    scratch. ``k.shape[2]`` is the slot count, C + 1. ``buffers()`` names every tensor that holds
+    ``pos`` (B, Hp, C + 1) holds each slot's absolute position, -1 when empty, in the
+    narrowest integer type that holds the positions below the ``limit`` it was built with
+    (positions.py: int16 for a dense cache's, int32 for an evicting one's); slot C is scratch.
+    ``k.shape[2]`` is the slot count, C + 1. ``buffers()`` names every tensor that holds
     contents, each with the batch first (snapshots copy them). Invariants every storage keeps (tests/cache/test_storage.py
     checks them for every registered storage):
       * ``view`` returns what attention reads. Full precision (``packed`` False): the buffers
@@ -58,8 +60,10 @@ class Storage(Protocol):
     keeps_in_place: bool
 
     @classmethod
-    def build(cls, spec: CacheSpec, bits: int, group: int | None, per_head: bool = False) -> Storage:
-        """The storage of ``spec``'s slots for a name of this layout (``bits``, ``group`` as parsed)."""
+    def build(cls, spec: CacheSpec, bits: int, group: int | None, per_head: bool = False,
+              limit: int | None = None) -> Storage:
+        """The storage of ``spec``'s slots for a name of this layout (``bits``, ``group`` as parsed),
+        its slots holding positions below ``limit`` (None: any, up to int32's)."""
 
     @staticmethod
     def describe(bits: int) -> str:
@@ -209,7 +213,9 @@ def in_place(index: torch.Tensor, stored: int, live: torch.Tensor | None = None)
     return placed, rank
 
 
-def make_storage(spec: CacheSpec, per_head: bool = False) -> Storage:
-    """The slot buffers named by ``spec.storage``; ``per_head``: one position per K/V head."""
+def make_storage(spec: CacheSpec, per_head: bool = False, limit: int | None = None) -> Storage:
+    """The slot buffers named by ``spec.storage``; ``per_head``: one position per K/V head;
+    ``limit``: every position a slot will hold is below it (a cache that keeps every token: its
+    ``cache_length``), so positions take a narrower type (positions.py); None: any position."""
     kind = check_storage(spec.storage, spec.head_dim)
-    return LAYOUTS[kind.layout].build(spec, kind.bits, kind.group, per_head)
+    return LAYOUTS[kind.layout].build(spec, kind.bits, kind.group, per_head, limit)

@@ -177,7 +177,7 @@ def attend(
     present = _presence(k, spans)
     # Host-side bounds of each block's positions, to skip blocks no query of a query block can
     # see (the future half of a causal prefill): one device sync per call.
-    kp = k_pos.masked_fill(k_pos < 0, torch.iinfo(torch.long).max)
+    kp = k_pos.long().masked_fill(k_pos < 0, torch.iinfo(torch.long).max)  # (stored positions may be narrower)
     lows = torch.stack([kp[..., s0:s1].amin() for s0, s1 in spans]).tolist()
     has_sink = [lo < sinks for lo in lows] if q_sink is not None else [False] * len(spans)
     scale = D**-0.5

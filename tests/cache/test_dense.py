@@ -228,7 +228,8 @@ def test_nbytes(checkpoint_factory, dtype, batch, length):
     cache = kvcache.make_cache(model, cache_length=length, batch_size=batch)
     elem = torch.tensor([], dtype=dtype).element_size()
     slots = length + 1  # one scratch slot absorbs padding writes
-    per_layer = 2 * batch * cfg.num_kv_heads * slots * cfg.head_dim * elem + batch * slots * 8
+    # Positions below ``length`` take int8: one byte per slot.
+    per_layer = 2 * batch * cfg.num_kv_heads * slots * cfg.head_dim * elem + batch * slots * 1
     assert cache.nbytes() == cfg.num_layers * per_layer
     # Buffers are allocated once: filling the cache does not change its size.
     with torch.inference_mode():

@@ -176,21 +176,27 @@ def within_a_step(store, after_k, after_v, before_k, before_v, at, was) -> bool:
 
 
 @pytest.mark.parametrize("C", [4096, 32768])
-def test_bytes_against_fp16_dense_at_a_real_geometry(C):
-    """At head_dim 128, 8 K/V heads and 4k or 32k slots, scales, zero points and the residual
-    included: int4 at most 0.30 and int2 at most 0.20 of the fp16 dense cache (the issue's
-    floors); the exact figures are 0.2985 and 0.197 at 4k slots, 0.285 and 0.183 at 32k
-    (docs/quantized.md; int2's values take 4 groups of channels)."""
-    s = dict(D=128, H=8, C=C, dtype=torch.float16)
-    full = make_storage(spec(**s)).nbytes()
-    ratio = {name: make_storage(spec(**s, storage=name)).nbytes() / full for name in ("int8", "int4", "int2")}
+@pytest.mark.parametrize("H", [2, 8])
+def test_bytes_against_the_kv_payload_at_a_real_geometry(C, H):
+    """At head_dim 128, 2 or 8 K/V heads and 4k or 32k slots, a dense cache's storage against the
+    keys and values alone at fp16 (2 bytes x K and V x heads x head_dim x slots), scales, zero
+    points, the residual and positions included: int4 at most 0.30 and int2 at most 0.20 (the
+    issue's floors; docs/quantized.md). Positions below C take int16: 2 bytes per slot."""
+    D = 128
+    s = dict(D=D, H=H, C=C, dtype=torch.float16)
+    payload = 2 * 2 * H * D * C
+    stores = {name: make_storage(spec(**s, storage=name), limit=C) for name in ("full", "int8", "int4", "int2")}
+    assert all(store.pos.dtype == torch.int16 for store in stores.values())
+    ratio = {name: store.nbytes() / payload for name, store in stores.items()}
     assert ratio["int4"] <= 0.30 and ratio["int2"] <= 0.20
-    # Per slot: 8 heads x (keys + values) + 8 bytes of position; KIVI adds its residual and a
-    # scratch group of per-channel scales.
-    fixed = (2 * 8 * 64 * 128 * 2 + 8 * 4 * 128) / ((C + 1) * 4104)
-    assert ratio["int8"] == pytest.approx((8 * 2 * 132 + 8) / 4104, abs=1e-4)
-    assert ratio["int4"] == pytest.approx((8 * (76 + 68) + 8) / 4104 + fixed, abs=1e-4)
-    assert ratio["int2"] == pytest.approx((8 * (44 + 32 + 4 * 4) + 8) / 4104 + fixed, abs=1e-4)
+    # Per slot (C + 1 with the scratch slot): H heads x (keys + values) + 2 bytes of position;
+    # KIVI adds its residual (64 keys and values per head) and a scratch group of per-channel scales.
+    slots = C + 1
+    fixed = H * (2 * 64 * D * 2 + 4 * D) / payload
+    assert ratio["full"] == pytest.approx(slots * (H * 4 * D + 2) / payload, abs=1e-6)
+    assert ratio["int8"] == pytest.approx(slots * (H * 2 * (D + 4) + 2) / payload, abs=1e-6)
+    assert ratio["int4"] == pytest.approx(slots * (H * (D + 4 + 4 + 4 * D // 64) + 2) / payload + fixed, abs=1e-4)
+    assert ratio["int2"] == pytest.approx(slots * (H * (D // 2 + 4 + 16 + 4 * D // 64) + 2) / payload + fixed, abs=1e-4)
 
 
 @pytest.mark.parametrize("name", QUANTIZED)
@@ -212,7 +218,9 @@ def test_bytes_per_slot(name):
         # Values in 4 groups of channels at 2 bits (``VALUE_GROUPS``), one elsewhere.
         per_slot = 2 * codes + 4 + 4 * (4 if kind.bits == 2 else 1)
         extra = H * (C // G + 1) * 4 * D + 2 * H * G * D * 4 + 2 * 8
-    assert store.nbytes() == H * (C + 1) * per_slot + (C + 1) * 8 + extra
+    # Positions of any value (a storage made without a limit: an evicting cache's) take int32.
+    assert store.pos.dtype == torch.int32
+    assert store.nbytes() == H * (C + 1) * per_slot + (C + 1) * 4 + extra
 
 
 @pytest.mark.parametrize("storage", ["int8", "int4", "int2"])

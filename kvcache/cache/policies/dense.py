@@ -20,7 +20,8 @@ class DenseCache(LayerCache):
 
     def __init__(self, spec: CacheSpec, options: object = None) -> None:
         super().__init__(spec, options)
-        self.storage = make_storage(spec)
+        # Position p lives in slot p < cache_length: positions take the narrowest type holding them.
+        self.storage = make_storage(spec, limit=spec.cache_length)
 
     def check(self, step: Step) -> None:
         if step.span_end > self.spec.cache_length:

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import torch
 
+from .. import positions as _positions
 from ..base import CacheSpec
 
 
 class FullStorage:
     """Keys and values at the model's precision, with the absolute position of each slot.
 
-    k, v: (B, Hkv, C + 1, D); pos: (B, Hp, C + 1) long, -1 for an empty slot, where Hp is 1 when
-    all K/V heads of a row share slots and Hkv when a policy places tokens per head.
+    k, v: (B, Hkv, C + 1, D); pos: (B, Hp, C + 1), -1 for an empty slot, where Hp is 1 when
+    all K/V heads of a row share slots and Hkv when a policy places tokens per head; in the
+    narrowest integer type holding positions below ``limit`` (positions.py; None: int32).
     """
 
     layout = "full"
@@ -25,14 +27,15 @@ class FullStorage:
         return "keys and values at the model's dtype (exact)"
 
     @classmethod
-    def build(cls, spec: CacheSpec, bits: int, group: int | None, per_head: bool = False) -> FullStorage:
-        return cls(spec, per_head)
+    def build(cls, spec: CacheSpec, bits: int, group: int | None, per_head: bool = False,
+              limit: int | None = None) -> FullStorage:
+        return cls(spec, per_head, limit)
 
-    def __init__(self, spec: CacheSpec, per_head: bool = False) -> None:
+    def __init__(self, spec: CacheSpec, per_head: bool = False, limit: int | None = None) -> None:
         B, H, C, D = spec.batch_size, spec.num_kv_heads, spec.cache_length, spec.head_dim
         self.k = torch.zeros(B, H, C + 1, D, dtype=spec.dtype, device=spec.device)
         self.v = torch.zeros_like(self.k)
-        self.pos = torch.full((B, H if per_head else 1, C + 1), -1, dtype=torch.long, device=spec.device)
+        self.pos = _positions.empty((B, H if per_head else 1, C + 1), limit, spec.device)
 
     def write_slice(self, start: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """Write k, v: (B, Hkv, T, D) at slots [start, start + T) of every row; positions: (B, T)."""
@@ -47,7 +50,9 @@ class FullStorage:
         index = slots[:, None, :, None].expand(B, H, T, D)
         self.k.scatter_(2, index, k)
         self.v.scatter_(2, index, v)
-        self.pos.scatter_(2, slots.unsqueeze(1).expand(B, self.pos.shape[1], T), positions.unsqueeze(1).expand(B, self.pos.shape[1], T))
+        Hp = self.pos.shape[1]
+        new = positions.to(self.pos.dtype).unsqueeze(1).expand(B, Hp, T)
+        self.pos.scatter_(2, slots.unsqueeze(1).expand(B, Hp, T), new)
 
     def settle(self, dst: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """Move the token that ``write_slice(C, k, v, positions)`` put in the scratch slot C to
@@ -59,7 +64,7 @@ class FullStorage:
         index = dst.unsqueeze(-1).expand(B, H, 1, D)
         self.k.scatter_(2, index, k.to(self.k.dtype))
         self.v.scatter_(2, index, v.to(self.v.dtype))
-        self.pos.scatter_(2, dst, positions.unsqueeze(1).expand_as(dst))
+        self.pos.scatter_(2, dst, positions.to(self.pos.dtype).unsqueeze(1).expand_as(dst))
         self.pos[:, :, C1 - 1] = -1
 
     def keep(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, index: torch.Tensor, stored: int = 0) -> None:

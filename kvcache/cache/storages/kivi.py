@@ -79,12 +79,14 @@ class KiviStorage(TokenStorage):
         super().check(name, bits, None, head_dim)
 
     @classmethod
-    def build(cls, spec: CacheSpec, bits: int, group: int | None, per_head: bool = False) -> KiviStorage:
-        return cls(spec, bits, per_head, group or cls.default_group)
+    def build(cls, spec: CacheSpec, bits: int, group: int | None, per_head: bool = False,
+              limit: int | None = None) -> KiviStorage:
+        return cls(spec, bits, per_head, group or cls.default_group, limit)
 
-    def __init__(self, spec: CacheSpec, bits: int, per_head: bool = False, group: int = 64) -> None:
+    def __init__(self, spec: CacheSpec, bits: int, per_head: bool = False, group: int = 64,
+                 limit: int | None = None) -> None:
         # Values stay per token, in groups of channels at 2 bits (``value_group``), as KIVI keeps them.
-        super().__init__(spec, bits, per_head, self.value_group(bits, spec.head_dim))
+        super().__init__(spec, bits, per_head, self.value_group(bits, spec.head_dim), limit)
         B, H, C, D = spec.batch_size, spec.num_kv_heads, spec.cache_length, spec.head_dim
         dev = spec.device
         self.key_group = group

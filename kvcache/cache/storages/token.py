@@ -13,6 +13,7 @@ import torch
 
 from ...quant.codes import decode_tokens, encode_tokens
 from ...quant.packed import PackedKeys, PackedValues, after
+from .. import positions as _positions
 from ..base import CacheSpec
 
 
@@ -22,7 +23,8 @@ class TokenStorage:
 
     k, v:         (B, Hkv, C + 1, D * bits / 8) uint8 codes (packed, codes.py).
     k_meta, v_meta: (B, Hkv, C + 1, 2 * D / group) fp16: the scales, then the zero points.
-    pos:          (B, Hp, C + 1) long, -1 for an empty slot (as in ``FullStorage``).
+    pos:          (B, Hp, C + 1), -1 for an empty slot (as in ``FullStorage``: the narrowest
+                  integer type holding positions below ``limit``).
     """
 
     layout = "token"
@@ -48,10 +50,12 @@ class TokenStorage:
             )
 
     @classmethod
-    def build(cls, spec: CacheSpec, bits: int, group: int | None, per_head: bool = False) -> TokenStorage:
-        return cls(spec, bits, per_head, group)
+    def build(cls, spec: CacheSpec, bits: int, group: int | None, per_head: bool = False,
+              limit: int | None = None) -> TokenStorage:
+        return cls(spec, bits, per_head, group, limit)
 
-    def __init__(self, spec: CacheSpec, bits: int, per_head: bool = False, group: int | None = None) -> None:
+    def __init__(self, spec: CacheSpec, bits: int, per_head: bool = False, group: int | None = None,
+                 limit: int | None = None) -> None:
         B, H, C, D = spec.batch_size, spec.num_kv_heads, spec.cache_length, spec.head_dim
         self.bits, self.group, self.dtype, self.head_dim = bits, D if group is None else group, spec.dtype, D
         dev = spec.device
@@ -59,7 +63,7 @@ class TokenStorage:
         self.v = torch.zeros_like(self.k)
         self.k_meta = torch.zeros(B, H, C + 1, 2 * (D // self.group), dtype=torch.float16, device=dev)
         self.v_meta = torch.zeros_like(self.k_meta)
-        self.pos = torch.full((B, H if per_head else 1, C + 1), -1, dtype=torch.long, device=dev)
+        self.pos = _positions.empty((B, H if per_head else 1, C + 1), limit, dev)
         # The last roundtrip's outputs with their codes (``_reuse``).
         self._read_back = None
 
@@ -123,14 +127,15 @@ class TokenStorage:
         """Write token t of row b to slot ``slots[b, t]`` (shared by heads); positions: (B, T)."""
         _scatter_tokens(self._buffers(), slots, self._encoded(k, v))
         B, Hp, T = self.pos.shape[0], self.pos.shape[1], slots.shape[1]
-        self.pos.scatter_(2, slots.unsqueeze(1).expand(B, Hp, T), positions.unsqueeze(1).expand(B, Hp, T))
+        new = positions.to(self.pos.dtype).unsqueeze(1).expand(B, Hp, T)
+        self.pos.scatter_(2, slots.unsqueeze(1).expand(B, Hp, T), new)
 
     def settle(self, dst: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """Move the token in the scratch slot to slot ``dst`` (B, Hp, 1) and empty the scratch
         slot. Codes move as they are: a moved token is not re-quantized."""
         _move_scratch(self._buffers(), dst)
         C1 = self.pos.shape[2]
-        self.pos.scatter_(2, dst, positions.unsqueeze(1).expand_as(dst))
+        self.pos.scatter_(2, dst, positions.to(self.pos.dtype).unsqueeze(1).expand_as(dst))
         self.pos[:, :, C1 - 1] = -1
 
     def keep(self, k, v, pos: torch.Tensor, index: torch.Tensor, stored: int = 0) -> None:
