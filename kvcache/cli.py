@@ -316,12 +316,12 @@ def _add_eval(commands) -> None:
     ev.add_argument("--stream-tokens", type=_int_at_least(2), metavar="N", help="held-out tokens for streaming (default: 2048)")
     ev.add_argument("--out", default=DEFAULT_EVAL_OUT, metavar="DIR",
                     help=f"directory for report.json, report.md and the PNG plots (default: ./{DEFAULT_EVAL_OUT}); "
-                         "a ruler/dataset sweep keeps finished cells there and resumes")
+                         "finished cells are kept there and a rerun resumes")
     ev.add_argument("--no-plots", action="store_true", help="write the JSON and Markdown reports only (no matplotlib)")
     ev.add_argument("--threads", type=_int_at_least(1), metavar="N", help=THREADS_HELP)
     ev.add_argument("--quick", action="store_true", help="a smoke run of well under a minute")
     ev.add_argument("--ray", nargs="?", const="", metavar="ADDRESS",
-                    help="ruler/dataset: run the cells as Ray tasks, one model per worker, on a local cluster or on "
+                    help="run the cells as Ray tasks, one model per worker, on a local cluster or on "
                          "the one at ADDRESS (ray start --head prints it); needs kvcache[ray]. See docs/distributed.md")
 
 

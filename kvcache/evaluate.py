@@ -94,33 +94,76 @@ def passkey(model, tasks: TaskMaker, policy: str, budget: float, length: int, de
     return correct / trials
 
 
+@dataclass(frozen=True)
+class Unit:
+    """One piece of the grid, computed on its own (by ``run_unit``) from the model, the tokenizer,
+    the token streams and the grid's settings alone: the streaming run of a (policy, budget),
+    or one passkey point of it (a protocol, length and depth: ``trials`` prompts). ``kvcache
+    eval`` runs each as a resumable cell, serially or on Ray (kvcache/eval/passkey.py)."""
+
+    kind: str  # "streaming" or "passkey"
+    policy: str
+    budget: float
+    protocol: str | None = None
+    length: int | None = None
+    depth: float | None = None
+
+
+def units(grid: Grid, protocols: tuple[str, ...] = PROTOCOLS) -> list[Unit]:
+    """The grid's units in report order: per (policy, budget), streaming, then every passkey
+    point by protocol, length and depth."""
+    found = []
+    for policy, budget in _cells(grid):
+        found.append(Unit("streaming", policy, budget))
+        found += [Unit("passkey", policy, budget, protocol, n, depth)
+                  for protocol in protocols for n in grid.lengths for depth in grid.depths]
+    return found
+
+
+def reference_logprobs(model, held_out: torch.Tensor, stream_tokens: int) -> torch.Tensor:
+    """Dense log-probabilities of the next tokens of ``held_out[:stream_tokens]``: (N - 1, vocab)."""
+    ids = held_out[None, :stream_tokens].to(model.embed_tokens.weight.device)
+    with torch.inference_mode():
+        return F.log_softmax(model(ids)[0, :-1].float(), dim=-1)
+
+
+def run_unit(model, tokenizer, unit: Unit, filler: torch.Tensor, held_out: torch.Tensor, *, trials: int,
+             stream_tokens: int, chunk: int, seed: int, reference: torch.Tensor | None = None) -> dict:
+    """The report row of ``unit``. filler: token stream for passkey contexts; held_out: (N,) text
+    for streaming; ``reference``: ``reference_logprobs`` of held_out, computed here if None."""
+    if unit.kind == "streaming":
+        # Token streams are read on the CPU (read_texts); the model may be elsewhere.
+        ids = held_out[None, :stream_tokens].to(model.embed_tokens.weight.device)
+        if reference is None:
+            reference = reference_logprobs(model, held_out, stream_tokens)
+        length = max(8, round(unit.budget * ids.shape[1]))
+        return {"policy": unit.policy, "budget": unit.budget, "cache_length": length,
+                **streaming(model, ids, unit.policy, length, chunk, reference)}
+    if unit.kind != "passkey":
+        raise ValueError(f"unknown unit kind {unit.kind!r}; the grid has streaming and passkey units")
+    tasks = TaskMaker(filler, tokenizer, seed=seed + unit.length)  # same keys for every policy
+    acc = passkey(model, tasks, unit.policy, unit.budget, unit.length, unit.depth, trials, unit.protocol)
+    return {"policy": unit.policy, "budget": unit.budget, "protocol": unit.protocol, "length": unit.length,
+            "depth": unit.depth, "accuracy": acc}
+
+
+def report(grid: Grid, done: list[tuple[Unit, dict]]) -> dict:
+    """The grid's report from its units and their rows (``run_unit``), in report order."""
+    return {"grid": grid.__dict__, "streaming": [row for unit, row in done if unit.kind == "streaming"],
+            "passkey": [row for unit, row in done if unit.kind == "passkey"]}
+
+
 def evaluate(model, tokenizer, filler: torch.Tensor, held_out: torch.Tensor, grid: Grid,
              protocols: tuple[str, ...] = PROTOCOLS, progress: bool = True) -> dict:
-    """Run the grid. filler: token stream for passkey contexts; held_out: (N,) text for streaming."""
-    cells = _cells(grid)
-    # Token streams are read on the CPU (read_texts); the model may be elsewhere.
-    ids = held_out[None, : grid.stream_tokens].to(model.embed_tokens.weight.device)
-    with torch.inference_mode():
-        reference = F.log_softmax(model(ids)[0, :-1].float(), dim=-1)
-    report: dict = {"grid": grid.__dict__, "streaming": [], "passkey": []}
-    total = len(cells) * (1 + len(protocols) * len(grid.lengths) * len(grid.depths))
-    bar = tqdm(total=total, desc="eval", unit="cell", disable=not progress)
-    for policy, budget in cells:
-        length = max(8, round(budget * ids.shape[1]))
-        bar.set_postfix_str(f"{policy} {budget:g}")
-        report["streaming"].append({"policy": policy, "budget": budget, "cache_length": length,
-                                    **streaming(model, ids, policy, length, grid.chunk, reference)})
-        bar.update()
-        for protocol in protocols:
-            for n in grid.lengths:
-                for depth in grid.depths:
-                    tasks = TaskMaker(filler, tokenizer, seed=grid.seed + n)  # same keys for every policy
-                    acc = passkey(model, tasks, policy, budget, n, depth, grid.trials, protocol)
-                    report["passkey"].append({"policy": policy, "budget": budget, "protocol": protocol,
-                                              "length": n, "depth": depth, "accuracy": acc})
-                    bar.update()
-    bar.close()
-    return report
+    """Run the grid in this process. filler: token stream for passkey contexts; held_out: (N,)
+    text for streaming."""
+    todo = units(grid, protocols)
+    reference = reference_logprobs(model, held_out, grid.stream_tokens)
+    settings = dict(trials=grid.trials, stream_tokens=grid.stream_tokens, chunk=grid.chunk, seed=grid.seed)
+    done = []
+    for unit in tqdm(todo, desc="eval", unit="cell", disable=not progress):
+        done.append((unit, run_unit(model, tokenizer, unit, filler, held_out, reference=reference, **settings)))
+    return report(grid, done)
 
 
 def markdown(report: dict) -> str:

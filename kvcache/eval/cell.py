@@ -40,14 +40,15 @@ from .sample import Sample, chat_parts, encode
 from .scoring import score
 
 PROTOCOLS = ("query_agnostic", "query_aware")
-BENCHMARKS = ("ruler", "dataset")
+# (passkey: the grid of kvcache/evaluate.py, whose cells eval/passkey.py runs.)
+BENCHMARKS = ("ruler", "dataset", "passkey")
 
 
 @dataclass(frozen=True)
 class Bench:
     """What every cell of a sweep shares: the benchmark, its data and how prompts are written.
 
-    texts:    essay haystack directory (None: the packaged texts).
+    texts:    essay haystack directory, or the passkey grid's texts (None: the packaged texts).
     dataset:  a JSON-lines file: the tasks of ``benchmark="dataset"``, or ruler's qa data.
     metric:   overrides every sample's metric (None: the task's own, or the record's).
     chat:     wrap prompts in the checkpoint's chat template.
@@ -98,6 +99,10 @@ class Cell:
         digest = hashlib.sha256(spec.encode()).hexdigest()[:10]
         policy = self.policy.replace(":", "-")
         return f"{self.task}-{self.length}-{self.protocol}-{policy}-{self.ratio:g}-{digest}"
+
+    def label(self) -> str:
+        """What the progress bar shows while the cell runs."""
+        return f"{self.task} {self.length} {self.policy} {self.ratio:g} {self.protocol}"
 
 
 def keeps_all(policy: str) -> bool:
@@ -157,6 +162,8 @@ def run_sample(model, tokenizer, sample: Sample, policy: str, ratio: float, prot
 
 def run_cell(model, tokenizer, cell: Cell, bench: Bench) -> dict:
     """The cell's result: its spec, the mean score in [0, 100], every sample's outcome, seconds."""
+    if bench.benchmark == "passkey":
+        raise ValueError("a passkey cell is run by kvcache.eval.passkey.Runner, not run_cell")
     start = time.perf_counter()
     skip = ruler.skipped(cell.task, ruler.Source(qa=ds.qa_source(bench.dataset) if bench.dataset else ())) \
         if bench.benchmark == "ruler" else None

@@ -1,12 +1,14 @@
 """What ``kvcache eval`` does once its flags are parsed.
 
-    passkey   the streaming perplexity / agreement / passkey grid of kvcache/evaluate.py, one
-              report written at the end.
+    passkey   the streaming perplexity / agreement / passkey grid of kvcache/evaluate.py, each
+              of its units a cell written to ``OUT/cells/`` as it finishes (passkey.py); a rerun
+              resumes.
     ruler     RULER's tasks at ``--lengths`` tokens, every (policy, ratio, task, length,
               protocol) cell written to ``OUT/cells/`` as it finishes (sweep.py); a rerun resumes.
     dataset   the tasks of a JSON-lines file (dataset.py), swept the same way.
-Both sweeps end with report.json, report.md (the leaderboard) and, unless ``--no-plots``, the
-score-against-ratio plot and one task x policy heatmap per ratio.
+Every benchmark runs its cells serially or on Ray (``--ray``). The ruler and dataset sweeps end
+with report.json, report.md (the leaderboard) and, unless ``--no-plots``, the score-against-ratio
+plot and one task x policy heatmap per ratio.
 """
 
 from __future__ import annotations
@@ -79,7 +81,6 @@ def run(args, out: Path, dtype: torch.dtype | None, progress: bool) -> None:
     sweep_only = ("ratios", "tasks", "protocols", "samples", "seed", "metric")
     if kind == "passkey":
         given = [f"--{k}" for k in sweep_only if getattr(args, k) not in (None, False)] + (["--chat"] if args.chat else [])
-        given += ["--ray"] if args.ray is not None else []
         if given:
             raise ValueError(f"{', '.join(given)} apply to --benchmark ruler or dataset, not passkey")
         return _passkey(args, out, dtype, progress)
@@ -166,8 +167,8 @@ def _sweep(args, kind: str, out: Path, dtype: torch.dtype | None, progress: bool
 
 
 def _passkey(args, out: Path, dtype: torch.dtype | None, progress: bool) -> None:
-    from ..evaluate import Grid, evaluate, markdown
-    from ..tasks import read_texts
+    from ..evaluate import Grid, markdown
+    from . import passkey
 
     grid = Grid()
     if args.quick:
@@ -188,10 +189,22 @@ def _passkey(args, out: Path, dtype: torch.dtype | None, progress: bool) -> None
     tokenizer = load_tokenizer(args.model)
     model = load(args.model, dtype=dtype, device=args.device)
     check_grid(grid.policies, model)
+    runner = passkey.Runner()
+    runner.stream(tokenizer, args.texts)  # the texts, read (and checked) once before anything is written
     out = out_dir(str(out))  # the first thing written: after every check above
-    print(f"kvcache eval: writing the report to {out}/ (--out DIR to change)", file=sys.stderr)
-    stream = read_texts(args.texts, tokenizer)
-    report = evaluate(model, tokenizer, stream, stream.to(args.device), grid, progress=progress)
+    # Every unit of the grid is a cell written to OUT/cells/ as it finishes: a rerun resumes.
+    cells, bench = passkey.plan(grid), Bench.make("passkey", texts=args.texts)
+    done = len(cells) - len(sweep.pending(cells, bench, out))
+    print(f"kvcache eval: writing the report to {out}/ (--out DIR to change); {len(cells)} cells, {done} already "
+          f"in {out}/cells", file=sys.stderr)
+    if args.ray is None:
+        results = sweep.run(model, tokenizer, cells, bench, out, runner=runner, progress=progress)
+    else:
+        from . import ray_sweep
+
+        results = ray_sweep.run(args.model, cells, bench, out, address=args.ray or None, threads=args.threads or 1,
+                                dtype=dtype, device=args.device, runner=runner, progress=progress)
+    report = passkey.grid_report(grid, cells, results)
     report["header"] = {"model": args.model or f"bundled ({BUNDLED_MODEL.name})",
                         "lengths": ", ".join(map(str, grid.lengths)), "trials": grid.trials,
                         "depths": ", ".join(f"{d:g}" for d in grid.depths),

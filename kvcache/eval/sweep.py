@@ -4,8 +4,8 @@ and write each result the moment it finishes.
     plan(...)               the cells of a grid, dense once per (task, length) as the reference
     pending(cells, ...)     the cells with no result file yet
     run(...)                runs the pending cells with ``run_cell`` (or any function with its
-                            signature: a Ray engine passes one that submits remote tasks), a
-                            progress bar over cells with the time left
+                            signature: the passkey grid's ``passkey.Runner``), a progress bar
+                            over cells with the time left
     load(out, ...)          the results of the given cells, in their order
 
 Results live in ``OUT/cells/<cell key>.json``; the key (cell.py) hashes every setting the result
@@ -87,7 +87,7 @@ def run(model, tokenizer, cells: Sequence[Cell], bench: Bench, out: Path, runner
                dynamic_ncols=True)
     try:
         for cell in todo:
-            bar.set_postfix_str(f"{cell.task} {cell.length} {cell.policy} {cell.ratio:g} {cell.protocol}")
+            bar.set_postfix_str(cell.label())
             write_atomic(result_path(out, cell, bench), runner(model, tokenizer, cell, bench))
             bar.update()
     finally:

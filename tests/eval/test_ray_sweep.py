@@ -1,6 +1,7 @@
-"""``kvcache eval --ray``: a sweep's cells as Ray tasks on a local cluster of 2 CPUs give the
-serial sweep's results, cell for cell; one model load per worker, not per cell; a worker that
-dies costs only its cell, which runs again; a resumed sweep recomputes no finished cell."""
+"""``kvcache eval --ray``: a sweep's cells (ruler's, and the passkey grid's) as Ray tasks on a
+local cluster of 2 CPUs give the serial sweep's results, cell for cell; one model load per
+worker, not per cell; a worker that dies costs only its cell, which runs again; a resumed sweep
+recomputes no finished cell."""
 
 from __future__ import annotations
 
@@ -106,8 +107,25 @@ def test_cli_eval_ray_writes_the_serial_report(cluster, tiny_dir, tmp_path, caps
     assert without_time(reports[1]["results"]) == without_time(reports[0]["results"])
 
 
-def test_ray_applies_to_sweeps_only(tmp_path, capsys):
+def test_cli_eval_ray_passkey_equals_the_serial_run_and_resumes(cluster, tiny_dir, tmp_path, capsys, monkeypatch):
+    """The default benchmark on Ray: the serial report, every unit of the grid a cell in OUT/cells;
+    a rerun finds them all and runs nothing."""
     from kvcache.cli import main
+    from kvcache.eval import passkey
 
-    assert main(["eval", "--benchmark", "passkey", "--ray", "--out", str(tmp_path)]) == 2
-    assert "--ray apply to --benchmark ruler or dataset" in capsys.readouterr().err
+    flags = ["eval", "--model", str(tiny_dir), "--policies", "dense,window,h2o:int4", "--budgets", "0.5",
+             "--lengths", "64", "--depths", "0,1", "--trials", "1", "--stream-tokens", "64", "--no-plots",
+             "--threads", "1"]
+    assert main([*flags, "--out", str(tmp_path / "serial")]) == 0
+    assert main([*flags, "--out", str(tmp_path / "ray"), "--ray"]) == 0, capsys.readouterr().err
+    reports = [json.loads((tmp_path / d / "report.json").read_text()) for d in ("serial", "ray")]
+    assert len(reports[0]["streaming"]) == 3 and len(reports[0]["passkey"]) == 3 * 2 * 2
+    assert {k: reports[1][k] for k in ("streaming", "passkey")} == {k: reports[0][k] for k in ("streaming", "passkey")}
+    cells = sorted(p.name for p in (tmp_path / "ray" / "cells").iterdir())
+    assert cells == sorted(p.name for p in (tmp_path / "serial" / "cells").iterdir()) and len(cells) == 15
+    capsys.readouterr()
+    # Resumed: every cell is there, so none runs (no worker starts: the driver finds them all).
+    monkeypatch.setattr(passkey.Runner, "__call__", lambda *a, **k: pytest.fail("a finished cell ran again"))
+    assert main([*flags, "--out", str(tmp_path / "ray"), "--ray"]) == 0
+    assert "15 cells, 15 already in" in capsys.readouterr().err
+    assert json.loads((tmp_path / "ray" / "report.json").read_text())["passkey"] == reports[0]["passkey"]
