@@ -21,11 +21,13 @@ from tqdm import tqdm
 
 from . import __version__, load, load_tokenizer, make_cache, option_info, policies, storages
 from .cache import budget_options
+from .cache.registry import break_even, stored_as
 from .checkpoint import Tokenizer, generation_config
 from .errors import GenerationError, KVCacheError, KVCacheWarning
 from .memory import human
 from .generate import DEFAULT_PREFILL_CHUNK, generate, truncate_at_stop
 from .prefix import DEFAULT_MAX_BYTES, INDEX, PrefixStore
+from .threads import for_model as threads_for_model, set_threads
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -159,8 +161,8 @@ def _dtype(name: str | None, device: torch.device) -> torch.dtype | None:
 
 
 def _set_threads(threads: int | None) -> None:
-    if threads is not None:
-        torch.set_num_threads(threads)
+    """``--threads``; without it each command chooses for its model once loaded (kvcache/threads.py)."""
+    set_threads(threads)
 
 
 # --- the parser ---
@@ -589,6 +591,7 @@ def _generate(args: argparse.Namespace) -> None:
     max_new = decoding.pop("max_new_tokens")
     ids = [_encode(tokenizer, p, args) for p in prompts]
     model = load(args.model, dtype=_dtype(args.dtype, args.device), device=args.device)
+    threads_for_model(model)
     longest = max(map(len, ids))
     cache_length = longest + max_new if args.cache_length is None else args.cache_length
     options = {k[4:]: v for k, v in vars(args).items() if k.startswith("opt_") and v is not None}
@@ -709,6 +712,8 @@ def _print_json(prompts, ids, new, texts, clock: Clock, end: float, cache, failu
             "decode_tok_s": _per_second(decoded, decode_s),
             "compile_s": compile_s,
             "cache_bytes": cache.nbytes(),
+            "storage": cache.spec.storage,
+            "threads": torch.get_num_threads(),
         }
         if reused is not None:
             record["reused_tokens"] = reused[i]
@@ -730,10 +735,16 @@ def _print_summary(ids, new, clock: Clock, end: float, cache) -> None:
         decoded -= sum(len(row) > 1 for row in new)
         compiled = f"compile: {compile_s:.1f} s | "
     batch = f"prompts: {len(ids)} | " if len(ids) > 1 else ""
+    threads = torch.get_num_threads()
+    on_cpu = f" ({threads} thread{'s' if threads != 1 else ''})" if cache.spec.device.type == "cpu" else ""
+    held = f"{cache.policy}, {cache.cache_length} slots"
+    if stored_as(cache) == "full":
+        held = (f"{cache.policy} held at full precision: fewer bytes than its codes at {cache.cache_length} slots, "
+                "see kvcache policies")
     print(
         f"{batch}prompt tokens: {sum(map(len, ids))} | new tokens: {sum(map(len, new))} | "
-        f"prefill: {_rate(sum(map(len, ids)), clock.prefill_s(end))} | {compiled}decode: {_rate(decoded, decode_s)} | "
-        f"cache memory: {human(cache.nbytes())} ({cache.policy}, {cache.cache_length} slots)",
+        f"prefill: {_rate(sum(map(len, ids)), clock.prefill_s(end))} | {compiled}decode: {_rate(decoded, decode_s)}"
+        f"{on_cpu} | cache memory: {human(cache.nbytes())} ({held})",
         file=sys.stderr,
     )
 
@@ -788,6 +799,19 @@ def _policies() -> None:
     print("\nstorages (name a cache policy:storage, e.g. h2o:int4; default full):")
     for name, description in storages().items():
         print(f"{name:<{width}}  {description}")
+    model = load()
+    below = {name: break_even(model, f"dense:{name}") for name in storages() if name.startswith("int")}
+    shown = ", ".join(f"below {n} slots at {name}" if n and n > 1 else f"never at {name}" for name, n in below.items())
+    print(f"\nint8, int4 and int2 never hold more bytes than full precision: where their codes would (the scales, and "
+          f"KIVI's full-precision residual of {_kivi_group()} tokens per row and layer, outweigh the codes' saving on "
+          f"a small cache), the cache holds full precision instead, and the generate summary says so. For the bundled "
+          f"model (batch 1), full precision {shown}. A layout named outright (kivi4, token4/32) is built as named.")
+
+
+def _kivi_group() -> int:
+    from .cache.storage import LAYOUTS
+
+    return LAYOUTS["kivi"].default_group
 
 
 def _finetune(args: argparse.Namespace) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import io
 import json
+import re
 import subprocess
 import sys
 
@@ -203,16 +204,35 @@ def test_dense_too_small_fails_before_printing(model_dir, capsys):
     assert "at most" in err and "max_new_tokens" in err
 
 
-def test_threads_sets_torch_threads(model_dir, monkeypatch, capsys):
+def test_threads_are_chosen_for_the_model_unless_given(model_dir, monkeypatch, capsys):
+    """--threads N wins; without it a small CPU model runs one thread (kvcache/threads.py), a larger
+    one keeps torch's choice, and so does any model when OMP_NUM_THREADS is set."""
+    import kvcache.threads
+
     calls = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
-    assert main(["generate", PROMPT, "--model", str(model_dir), "--max-new-tokens", "1", "--threads", "1"]) == 0
-    assert calls == [1]
-    assert main(["generate", PROMPT, "--model", str(model_dir), "--max-new-tokens", "1"]) == 0
-    assert calls == [1]  # without --threads torch keeps its own default
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    run = ["generate", PROMPT, "--model", str(model_dir), "--max-new-tokens", "1", "--json"]
+    assert main(run + ["--threads", "3"]) == 0
+    assert calls == [3]
+    assert main(run) == 0
+    assert calls == [3, 1]  # a small model: one thread
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["threads"] == torch.get_num_threads()
+    monkeypatch.setattr(kvcache.threads, "SMALL_MODEL", 1000)
+    assert main(run) == 0
+    assert calls == [3, 1]  # a larger one: torch's own choice
+    monkeypatch.setattr(kvcache.threads, "SMALL_MODEL", 10**9)
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert main(run) == 0
+    assert calls == [3, 1]  # the environment said
     with pytest.raises(SystemExit):
         main(["generate", PROMPT, "--threads", "0"])
     assert "--threads" in capsys.readouterr().err
+
+
+def test_the_summary_names_the_threads_on_the_cpu(model_dir, capsys):
+    assert main(["generate", PROMPT, "--model", str(model_dir), "--max-new-tokens", "3", "--threads", "1"]) == 0
+    assert re.search(r"decode: (n/a|[0-9.]+ tok/s) \(1 thread\) \| cache memory", capsys.readouterr().err)
 
 
 def test_top_p_without_temperature_is_an_error(model_dir, capsys):

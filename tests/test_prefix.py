@@ -82,7 +82,7 @@ def test_aligned_reuse_is_bitwise_equal(model, policy):
     assert _same_state(ref_cache, got_cache)
 
 
-@pytest.mark.parametrize("storage", ["int8", "int4"])
+@pytest.mark.parametrize("storage", ["int8", "kivi4"])  # ("int4" holds full precision on a cache this small)
 @pytest.mark.parametrize("policy", ["dense", "h2o"])
 def test_aligned_reuse_is_bitwise_equal_quantized(model, policy, storage):
     store = PrefixStore(model)

@@ -18,7 +18,7 @@ import kvcache
 from conftest import DEVICE, VOCAB, random_ids
 
 # Every registered policy at full precision, and a few at quantized storages.
-POLICIES = sorted(kvcache.policies()) + ["dense:int8", "window:int8", "h2o:int8", "snapkv:int4"]
+POLICIES = sorted(kvcache.policies()) + ["dense:int8", "window:int8", "h2o:int8", "snapkv:kivi4"]
 PROMPT_TOKENS = [8, 5]  # ragged, and past the evicting caches' budget
 
 

@@ -139,6 +139,54 @@ def check_names(names: Sequence[str], what: str = "policies") -> None:
         raise ValueError(f"{what}: {'; '.join(problems)}")
 
 
+def falls_back(storage: str) -> bool:
+    """Whether a cache named with ``storage`` holds full precision where that takes fewer bytes:
+    the ``int<bits>`` names (the layout chosen for quality at that width) do; a layout named
+    outright (``kivi4``, ``token4/32``) is built as named."""
+    return storage.startswith("int")
+
+
+def stored_as(cache: KVCache) -> str | None:
+    """The storage ``cache`` holds, when it is not the one its name asks for: "full" where the
+    named codes would have taken more bytes than full precision (``falls_back``); else None."""
+    _, named = parse_name(cache.policy)
+    return cache.spec.storage if cache.spec.storage != named else None
+
+
+def break_even(model: torch.nn.Module, policy: str, *, batch_size: int = 1, largest: int = 1 << 20) -> int | None:
+    """The smallest ``cache_length`` at which ``policy`` (``h2o:int4``) holds its codes, not full
+    precision (``falls_back``), for ``model``; None if the storage never falls back (or not
+    below ``largest``). Sizes come from caches built on the meta device: nothing is allocated."""
+    name, storage = parse_name(policy)
+    if not falls_back(storage):
+        return None
+    cls = _lookup(name)
+
+    def nbytes(length: int, stored: str) -> int:
+        total = 0
+        for i, budget in enumerate(layer_budgets(length, model.config.num_layers, "uniform")):
+            spec = CacheSpec.for_model(model, batch_size=batch_size, cache_length=budget, storage=stored, layer=i)
+            spec = dataclasses.replace(spec, device=torch.device("meta"))
+            total += layer_cache(cls, spec, {}).nbytes()
+        return total
+
+    def codes(length: int) -> bool:
+        try:
+            return nbytes(length, storage) <= nbytes(length, "full")
+        except ValueError:
+            return False  # a length the policy cannot take (sinks >= cache_length): the search goes above it
+
+    if codes(1):
+        return 1
+    if not codes(largest):
+        return None
+    low, high = 1, largest  # codes(low) is False, codes(high) True
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (low, mid) if codes(mid) else (mid, high)
+    return high
+
+
 def resolve_budget(cache_length: int | float, prompt_length: int | None) -> int:
     """A token count from ``cache_length``: an int >= 1 as it is, a float in (0, 1] as that
     fraction of ``prompt_length`` (at least one token)."""
@@ -180,7 +228,8 @@ def make_cache(
     size. ``options`` are the policy's own (see ``policy_options``); an option left out takes its
     default, or, if the default does not fit a layer's budget, the value the policy's paper uses
     at that budget (``budget_options``). ``policy`` may name a storage too, ``"h2o:int4"`` (see
-    ``storages``; default full precision). ``reserve`` (scoring policies: h2o, tova, snapkv, ...)
+    ``storages``; default full precision); an ``int<bits>`` storage holds full precision instead on
+a cache too small for its codes to take fewer bytes (``break_even``; ``stored_as`` tells). ``reserve`` (scoring policies: h2o, tova, snapkv, ...)
     makes eviction batched: a layer that overflows keeps ``cache_length - reserve`` tokens, and
     the next ``reserve`` tokens are appended without evicting. With ``cache_length = kept +
     reserve`` a prompt is compressed to ``kept`` tokens once and then grows by up to ``reserve``
@@ -227,7 +276,7 @@ def make_cache(
             parts.append(f"allocation={allocation!r} gives layer {i} {size} of cache_length={tokens}")
         return f" ({'; '.join(parts)})" if parts else ""
 
-    def build_layers(device: torch.device | None) -> list[LayerCache]:
+    def build_layers(device: torch.device | None, storage: str = storage) -> list[LayerCache]:
         layers = []
         for i, budget in enumerate(budgets):
             spec = CacheSpec.for_model(model, batch_size=batch_size, cache_length=budget, storage=storage,
@@ -243,12 +292,18 @@ def make_cache(
 
     # The same layers on the meta device first: every check, and the bytes, with nothing allocated.
     need = sum(layer.nbytes() for layer in build_layers(torch.device("meta")))
+    if falls_back(storage):
+        # Codes with their scales (and KIVI's full-precision residual) take more bytes than full
+        # precision on a small cache: then the cache holds full precision, exact and smaller.
+        full = sum(layer.nbytes() for layer in build_layers(torch.device("meta"), "full"))
+        if full < need:
+            storage, need = "full", full
     device = model.embed_tokens.weight.device
     rows = f"{batch_size} row{'s' if batch_size != 1 else ''}"
     check_fits(need, device, f"a {policy} cache of {tokens} slots x {cfg.num_layers} layers x {rows}",
                "lower cache_length (max_new_tokens, when it defaults to prompt + new tokens), batch_size, or use "
                "an evicting policy or a quantized storage")
-    layers = build_layers(None)
+    layers = build_layers(None, storage)
     nominal = dataclasses.replace(layers[0].spec, cache_length=tokens)
     return KVCache(layers, nominal, policy)
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import BUNDLED_MODEL, load, load_tokenizer
+from ..threads import for_model as threads_for_model
 from . import dataset as ds
 from . import leaderboard, ruler, sweep
 from .cell import PROTOCOLS, Bench
@@ -135,6 +136,7 @@ def _sweep(args, kind: str, out: Path, dtype: torch.dtype | None, progress: bool
     model_name = args.model or f"bundled ({BUNDLED_MODEL.name})"
     tokenizer = load_tokenizer(args.model)
     model = load(args.model, dtype=dtype, device=args.device)
+    threads_for_model(model)
     check_grid(policies, model)
     out = out_dir(str(out))  # the first thing written: after every check above
     done = len(cells) - len(sweep.pending(cells, bench, out))
@@ -188,6 +190,7 @@ def _passkey(args, out: Path, dtype: torch.dtype | None, progress: bool) -> None
                          "it with --benchmark ruler or --dataset FILE.jsonl")
     tokenizer = load_tokenizer(args.model)
     model = load(args.model, dtype=dtype, device=args.device)
+    threads_for_model(model)
     check_grid(grid.policies, model)
     runner = passkey.Runner()
     runner.stream(tokenizer, args.texts)  # the texts, read (and checked) once before anything is written

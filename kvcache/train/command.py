@@ -14,6 +14,7 @@ import torch
 
 from ..cache.registry import make_cache
 from ..checkpoint import BUNDLED_MODEL, load, load_tokenizer
+from ..threads import for_model as threads_for_model
 from .data import token_rows
 from .lora import DEFAULT_TARGETS, add_lora, is_lora, merge_lora, save_adapter
 from .loop import FinetuneConfig, check_rows, describe, finetune
@@ -69,6 +70,7 @@ def _run(args, options: dict, rank: int) -> Path:
         return add_lora(model, args.lora_rank, alpha=args.lora_alpha, targets=targets)
 
     model = build()
+    threads_for_model(model)
     # Options are checked (names, types, fit in the budget) before the data is read.
     make_cache(base_model(model), config.policy, cache_length=config.cache_length, batch_size=1, **options)
     tokenizer = load_tokenizer(source)

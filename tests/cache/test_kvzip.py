@@ -185,7 +185,7 @@ def test_listed_by_the_registry_and_the_command_line(capsys):
     assert "kvzip" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("policy,block", [("kvzip:int8", 1), ("kvzip:int4", 1), ("kvzip", 4)])
+@pytest.mark.parametrize("policy,block", [("kvzip:int8", 1), ("kvzip:kivi4", 1), ("kvzip", 4)])
 def test_the_pass_runs_over_quantized_storages_and_whole_blocks(llama, policy, block):
     n, C, R = 40, 16, 4
     ctx = context_ids(n, seed=11)

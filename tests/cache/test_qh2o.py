@@ -20,7 +20,7 @@ def tiny(tmp_path_factory):
 
 
 @pytest.mark.parametrize("scale", ["minmax", "rank"])
-@pytest.mark.parametrize("storage", ["", ":int4"])
+@pytest.mark.parametrize("storage", ["", ":kivi4"])
 def test_weight_one_is_h2o(tiny, storage, scale):
     """With all the weight on the H2O score, qh2o keeps what h2o keeps and computes the same
     (either scale is monotone in the score)."""
@@ -69,7 +69,7 @@ def test_weight_zero_keeps_the_tokens_that_quantize_best(scale):
 def test_error_is_measured_before_quantization(tiny):
     """Over a quantized storage the error is the model's keys and values against their codes, not
     the stored codes against themselves (which would be zero)."""
-    cache = kvcache.make_cache(tiny, "qh2o:int4", cache_length=16, recent=4)
+    cache = kvcache.make_cache(tiny, "qh2o:kivi4", cache_length=16, recent=4)
     with torch.inference_mode():
         tiny(ids_for(40, seed=2, vocab=tiny.config.vocab_size), cache)
     for layer in cache.layers:

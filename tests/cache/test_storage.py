@@ -631,7 +631,8 @@ def test_names_pair_a_policy_with_a_storage(llama, capsys):
     assert list(kvcache.storages())[:4] == ["full", "int8", "int4", "int2"]
     assert {"kivi8", "kivi4", "kivi2", "token8", "token4", "token2"} <= set(kvcache.storages())
     assert "dense" in kvcache.policies() and "dense:int8" not in kvcache.policies()
-    cache = kvcache.make_cache(llama, "h2o:int4", cache_length=8, recent=2)
+    # (Long enough for 4-bit codes to pay off: a shorter "int4" cache holds full precision.)
+    cache = kvcache.make_cache(llama, "h2o:int4", cache_length=256, recent=2)
     assert cache.policy == "h2o:int4"
     layer = cache.layers[0].storage
     assert isinstance(layer, KiviStorage) and layer.bits == 4 and layer.key_group == 64

@@ -22,7 +22,7 @@ from hf_models import greedy, left_pad, make
 
 POLICIES = sorted(kvcache.policies())
 # Storage composes with every policy; one quantized variant of each kind of eviction.
-WITH_STORAGE = ["h2o:int4", "sink:int8"]
+WITH_STORAGE = ["h2o:kivi4", "sink:int8"]  # KIVI named outright: a cache this small holds "int4" at full precision
 BUDGET = 12
 SCHEDULE = [12, 9, 9] + [1] * 10  # tokens per call: a 30-token prompt in chunks, then decode steps
 

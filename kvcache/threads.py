@@ -1,0 +1,44 @@
+"""How many intra-op CPU threads the command line runs a model with.
+
+A small model's matmuls are too short to split: on the CPU every extra intra-op thread adds a
+synchronisation per operation and gains nothing, and when another CPU-bound process shares the
+cores the threads wait on each other and decoding slows several-fold
+(``benchmarks/threads.py``; docs/cli.md, Threads). So a model of up to ``SMALL_MODEL``
+parameters on the CPU runs one thread, and a larger one keeps torch's choice (usually one per
+core), unless the user said otherwise: ``--threads N``, or ``OMP_NUM_THREADS`` in the
+environment.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# Parameters up to which a CPU model runs one intra-op thread (the bundled model has 5.1M).
+SMALL_MODEL = 50_000_000
+
+_given: int | None = None
+
+
+def set_threads(threads: int | None) -> None:
+    """The user's thread count (``--threads``), which every later choice keeps; None: not given."""
+    global _given
+    _given = threads
+    if threads is not None:
+        torch.set_num_threads(threads)
+
+
+def user_chose() -> bool:
+    """Whether the user set the thread count: ``--threads`` or ``OMP_NUM_THREADS``."""
+    return _given is not None or bool(os.environ.get("OMP_NUM_THREADS", "").strip())
+
+
+def for_model(model: torch.nn.Module) -> int:
+    """Set the thread count for ``model`` as the module docstring says; returns the count in force."""
+    if not user_chose():
+        weight = next(model.parameters(), None)
+        on_cpu = weight is None or weight.device.type == "cpu"
+        if on_cpu and sum(p.numel() for p in model.parameters()) <= SMALL_MODEL:
+            torch.set_num_threads(1)
+    return torch.get_num_threads()
