@@ -148,12 +148,12 @@ def test_rotary_inv_freq_is_ignored_silently(ckpt_copy):
 
 
 def test_missing_directory(tmp_path):
-    with pytest.raises(kvcache.CheckpointError, match="not a directory"):
+    with pytest.raises(kvcache.CheckpointError, match="does not exist"):
         kvcache.load(tmp_path / "nowhere")
 
 
 def test_file_instead_of_directory(ckpt_copy):
-    with pytest.raises(kvcache.CheckpointError, match="not a directory"):
+    with pytest.raises(kvcache.CheckpointError, match="neither a directory nor a GGUF file"):
         kvcache.load(ckpt_copy / "config.json")
 
 

@@ -82,7 +82,7 @@ def test_missing_model_dir(tmp_path, capsys):
     assert main(["generate", PROMPT, "--model", str(missing)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvcache: error:")
-    assert str(missing) in err and "not a directory" in err
+    assert str(missing) in err and "does not exist" in err
 
 
 def test_cache_too_small_for_dense(model_dir, capsys):
