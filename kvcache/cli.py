@@ -33,7 +33,8 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 DEFAULT_MAX_NEW_TOKENS = 128
 DEFAULT_EVAL_OUT = "kvcache-eval"
 THREADS_HELP = (
-    "CPU threads for torch (default: torch's, usually one per core). Use 1 when another CPU-bound "
+    "CPU threads for torch (default: 1 for a model of up to 50M parameters, such as the bundled one; "
+    "else torch's, usually one per core; OMP_NUM_THREADS, when set, is kept). Use 1 when another CPU-bound "
     "process shares the machine: with one running on 2 cores, 2 threads gave 383 tok/s prefill and "
     "31 tok/s decode, 1 thread 5700 and 243"
 )
@@ -220,8 +221,9 @@ def _add_generate(commands) -> None:
     io.add_argument("--system", metavar="TEXT", help="a system message before the prompt (implies --chat)")
     io.add_argument("--json", action="store_true",
                     help="print one JSON object per prompt (prompt, prompt_tokens, tokens, text, prefill_s, "
-                         "decode_s, prefill_tok_s, decode_tok_s, compile_s, cache_bytes) instead of the text; with "
-                         "--compile, decode_s and decode_tok_s leave out the step that compiled (compile_s)")
+                         "decode_s, prefill_tok_s, decode_tok_s, compile_s, cache_bytes, storage, threads) instead "
+                         "of the text; with --compile, decode_s and decode_tok_s leave out the step that compiled "
+                         "(compile_s)")
     io.add_argument("--quiet", action="store_true", help="no progress bar or summary on stderr")
 
     model = gen.add_argument_group("model")
@@ -590,6 +592,11 @@ def _generate(args: argparse.Namespace) -> None:
     decoding = _decoding(args, defaults)
     max_new = decoding.pop("max_new_tokens")
     ids = [_encode(tokenizer, p, args) for p in prompts]
+    if not args.chat and args.system is None and not prompts[0].strip() and ids[0]:
+        start = "the beginning-of-text token" if ids[0][:1] == [tokenizer.bos_token_id] else "its first token"
+        warnings.warn(f"the prompt is empty{' (whitespace only)' if prompts[0] else ''}: the model continues from "
+                      f"{start}{' and the whitespace' if prompts[0] else ''}; give a PROMPT (- reads it from stdin)",
+                      KVCacheWarning)
     model = load(args.model, dtype=_dtype(args.dtype, args.device), device=args.device)
     threads_for_model(model)
     longest = max(map(len, ids))
@@ -621,6 +628,10 @@ def _generate(args: argparse.Namespace) -> None:
             stream.push(token)
 
     failure = None
+    if args.compile and not args.quiet and max_new > 1 and cache.captured is None:
+        # Said before the first token is printed: the pause after it is the compilation.
+        print("kvcache: compiling the decode step after the first token (torch.compile, once per run: tens of "
+              "seconds on a CPU); its time is reported apart", file=sys.stderr, flush=True)
     clock.start = time.perf_counter()  # timings start with the prefill, after the set-up above
     try:
         new = generate(
@@ -866,7 +877,8 @@ def _drift(args: argparse.Namespace) -> None:
 def _warn(message, category, filename, lineno, file=None, line=None) -> None:
     """kvcache's own warnings as one line, like its errors (no source line)."""
     if issubclass(category, KVCacheWarning):
-        print(f"kvcache: warning: {message}", file=sys.stderr if file is None else file)
+        # Through tqdm, which clears a progress bar drawn on the stream first and redraws it after.
+        tqdm.write(f"kvcache: warning: {message}", file=sys.stderr if file is None else file)
     else:
         _default_showwarning(message, category, filename, lineno, file, line)
 

@@ -542,3 +542,68 @@ def test_kvcache_warnings_read_as_kvcache_messages(capsys):
     assert main(["generate", long, "--max-new-tokens", "1", "--quiet"]) == 0
     err = capsys.readouterr().err
     assert err.startswith("kvcache: warning: a sequence reached position") and "warnings.warn" not in err
+
+
+def test_a_warning_is_printed_on_its_own_line_under_a_progress_bar(monkeypatch):
+    """A kvcache warning raised while the prefill bar is drawn (the max-position warning comes at
+    the start of generate) clears the bar's line first, rather than continuing it."""
+    from tqdm import tqdm
+
+    from kvcache.cli import _warn
+    from kvcache.errors import KVCacheWarning
+
+    stream = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stream)
+    bar = tqdm(total=10, file=stream, desc="prefill")
+    bar.update(3)
+    message = "a sequence reached position 9000, beyond the model's max_position_embeddings=4096"
+    _warn(KVCacheWarning(message), KVCacheWarning, "model.py", 1)
+    bar.close()
+    lines = re.split(r"[\r\n]", stream.getvalue())
+    assert f"kvcache: warning: {message}" in lines
+    assert any(line.startswith("prefill:") for line in lines)
+
+
+@pytest.mark.parametrize("prompt, whitespace", [("", False), ("  ", True)])
+def test_an_empty_prompt_is_said_to_be_one(model_dir, capsys, prompt, whitespace):
+    # The bundled tokenizer adds a beginning-of-text token, from which the model continues.
+    assert main(["generate", prompt, "--max-new-tokens", "2", "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("kvcache: warning: the prompt is empty") and ("whitespace" in err) == whitespace
+    assert "the beginning-of-text token" in err
+    assert main(["generate", "x", "--max-new-tokens", "2", "--quiet"]) == 0
+    assert capsys.readouterr().err == ""
+    if not prompt:  # a tokenizer that adds none leaves nothing to continue: an error
+        assert main(["generate", prompt, "--model", str(model_dir), "--max-new-tokens", "2", "--quiet"]) == 2
+        assert capsys.readouterr().err.startswith("kvcache: error: prompt 0 is empty")
+
+
+def test_compile_says_it_compiles_then_reports_its_time_apart(model_dir, monkeypatch, capsys):
+    """--compile: a line on stderr before the first token says the pause after it is a
+    compilation; the summary gives the compile time apart from the decode speed, which leaves
+    the compiling step out. (generate is stubbed: the capture itself is tests/test_compile.py's.)"""
+    import types
+
+    import kvcache.cli as cli
+
+    def fake_generate(model, ids, *, cache, on_token, on_prefill, compile, max_new_tokens, **kwargs):
+        assert compile
+        on_prefill(len(ids[0]), len(ids[0]))
+        order.append("first token")
+        on_token(0, 5)
+        cache.captured = types.SimpleNamespace(compile_s=2.5)
+        for token in (6, 7, 8):
+            on_token(0, token)
+        return [[5, 6, 7, 8]]
+
+    order = []
+    monkeypatch.setattr(cli, "generate", fake_generate)
+    monkeypatch.setattr(sys, "stderr", types.SimpleNamespace(
+        write=lambda s: order.append(s), flush=lambda: None, isatty=lambda: False))
+    assert main(["generate", PROMPT, "--model", str(model_dir), "--compile", "--max-new-tokens", "4"]) == 0
+    notice = next(i for i, s in enumerate(order) if s.startswith("kvcache: compiling the decode step"))
+    assert notice < order.index("first token")
+    summary = "".join(order[order.index("first token") :])
+    assert "compile: 2.5 s | decode: " in summary
+    assert main(["generate", PROMPT, "--model", str(model_dir), "--compile", "--max-new-tokens", "4", "--quiet"]) == 0
+    assert not any("compiling" in s for s in order[order.index("first token") + 1 :])
