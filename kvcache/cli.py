@@ -264,7 +264,9 @@ def _add_generate(commands) -> None:
                        help=f"prompt tokens per forward pass (default: {DEFAULT_PREFILL_CHUNK})")
     cache.add_argument("--compile", action="store_true",
                        help="decode through a captured step (torch.compile; CUDA graphs on CUDA): a one-time "
-                            "compilation, then faster steps; not with --reserve")
+                            "compilation (tens of seconds on a CPU, reported apart), then replayed steps, faster on "
+                            "CUDA but on a CPU only for an evicting policy over a small cache (docs/cli.md); not "
+                            "with --reserve")
     reuse = gen.add_argument_group("prompt reuse (docs/prefix.md)")
     reuse.add_argument("--prompt-cache", metavar="DIR",
                        help="reuse the cache of prompt prefixes stored in DIR by earlier runs (same model, policy "
