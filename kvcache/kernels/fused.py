@@ -48,17 +48,17 @@ def folds(q: torch.Tensor) -> bool:
     return q.device.type == "cpu" and not (q.requires_grad and torch.is_grad_enabled())
 
 
-def slot_blocks(keys: PackedKeys, span: int, q: torch.Tensor, group: int = 0) -> list[tuple[int, int]]:
-    """Slot ranges covering [0, span) of ``keys``' rows, each holding at most about
+def slot_blocks(keys: PackedKeys, span: int, q: torch.Tensor, group: int = 0, start: int = 0) -> list[tuple[int, int]]:
+    """Slot ranges covering [start, span) of ``keys``' rows, each holding at most about
     ``BLOCK_BYTES`` decoded, a multiple of ``group`` slots (KIVI's key groups) when given.
     One block where queries ``q`` cannot fold blocks (``folds``)."""
     B, H, _, D = keys.codes.shape[0], keys.codes.shape[1], keys.slots, keys.head_dim
-    if span == 0 or not folds(q):
-        return [(0, span)]
+    if span <= start or not folds(q):
+        return [(start, span)]
     step = max(MIN_BLOCK, BLOCK_BYTES // (2 * 4 * B * H * D))
     if group:
         step = max(group, step // group * group)
-    return [(s, min(s + step, span)) for s in range(0, span, step)]
+    return [(s, min(s + step, span)) for s in range(start, span, step)]
 
 
 class Fold:
@@ -68,15 +68,20 @@ class Fold:
     q: (B, Hq, T, D). Where the queries cannot fold (``folds``: off the CPU, or carrying a
     gradient) each query range is added once, over its one block, and ``add`` writes the fused
     call's output as it is. Otherwise a block's leading slots that every query of the range sees
-    take a call without a mask, the rest a masked one, both folded in place.
+    take a call without a mask, the rest a masked one, both folded in place. ``acc`` (q's shape,
+    float32) and ``lse`` (q's shape but D): what another fold of these queries has gathered, to
+    go on from (views into it, which this fold then updates); default: nothing yet.
     """
 
-    def __init__(self, q: torch.Tensor) -> None:
+    def __init__(self, q: torch.Tensor, acc: torch.Tensor | None = None, lse: torch.Tensor | None = None) -> None:
         self.q = q
         self.single = not folds(q)
+        if acc is not None and (self.single or lse is None):
+            raise ValueError("a fold goes on from another's acc and lse only where queries fold (folds(q))")
         # Zero where no query saw a key (padding). Folding keeps float32 whatever q's dtype.
-        self.acc = torch.zeros_like(q, dtype=q.dtype if self.single else torch.float32)
-        self.lse = None if self.single else torch.full(q.shape[:-1], float("-inf"), device=q.device)
+        self.acc = acc if acc is not None else torch.zeros_like(q, dtype=q.dtype if self.single else torch.float32)
+        self.lse = lse if acc is not None else (
+            None if self.single else torch.full(q.shape[:-1], float("-inf"), device=q.device))
 
     def add(self, rows: slice, t0: int, t1: int, k: torch.Tensor, v: torch.Tensor, vis: torch.Tensor | None) -> None:
         """Fold in queries [t0, t1) of ``rows`` over one block: k, v (b, Hkv, m, D) decoded,

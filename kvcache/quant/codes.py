@@ -180,17 +180,47 @@ def quantize_scaled(x: torch.Tensor, bits: int, clip=(), given: torch.Tensor | N
     return q, scale, zero, t.half()
 
 
+# Elements encoded or decoded per token at a time: each token is coded on its own, so a long
+# chunk goes in slices of tokens, and its float32 temporaries stay about 1 MiB each instead of
+# following the chunk (same codes, same values).
+SLICE_ELEMENTS = 2**18
+
+
+def _token_slices(x: torch.Tensor) -> list[slice]:
+    """Slices of x's token dimension (the one before the last) of about ``SLICE_ELEMENTS``."""
+    if x.dim() < 2 or x.numel() <= SLICE_ELEMENTS:
+        return [slice(None)]
+    T = x.shape[-2]
+    step = max(1, SLICE_ELEMENTS * T // x.numel())
+    return [slice(t, t + step) for t in range(0, T, step)]
+
+
 def encode_tokens(x: torch.Tensor, bits: int, group: int, clip=()) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token codes: x (..., D) in groups of ``group`` channels -> packed codes
     (..., D * bits / 8) uint8 and meta (..., 2 * D / group) fp16 (the scales, then the zeros).
-    ``clip``: as ``quantize``'s."""
+    ``clip``: as ``quantize``'s. Long inputs are coded a slice of tokens at a time."""
+    parts = _token_slices(x)
+    if len(parts) > 1:
+        D = x.shape[-1]
+        codes = x.new_empty(x.shape[:-1] + (D * bits // 8,), dtype=torch.uint8)
+        meta = x.new_empty(x.shape[:-1] + (2 * (D // group),), dtype=torch.float16)
+        for t in parts:
+            codes[..., t, :], meta[..., t, :] = encode_tokens(x[..., t, :], bits, group, clip)
+        return codes, meta
     g = x.unflatten(-1, (-1, group))  # (..., n, group)
     q, scale, zero = quantize(g, bits, dim=-1, clip=clip)
     return pack(q.flatten(-2), bits), torch.cat((scale, zero), -2).flatten(-2)
 
 
 def decode_tokens(c: torch.Tensor, meta: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of ``encode_tokens``: (..., D) at ``dtype``."""
+    """Inverse of ``encode_tokens``: (..., D) at ``dtype``. Long inputs a slice of tokens at a time."""
+    parts = _token_slices(c)
+    if len(parts) > 1:
+        D = c.shape[-1] * 8 // bits
+        out = torch.empty(c.shape[:-1] + (D,), dtype=dtype, device=c.device)
+        for t in parts:
+            out[..., t, :] = decode_tokens(c[..., t, :], meta[..., t, :], bits, dtype)
+        return out
     q = unpack(c, bits)
     scale, zero = meta.float().unflatten(-1, (2, -1, 1)).unbind(-3)  # (..., n, 1) each
     g = q.unflatten(-1, (scale.shape[-2], -1)).float().mul_(scale).add_(zero)

@@ -70,6 +70,11 @@ class _Packed:
         out = self.decode(0, self.slots)
         return out if self.tail is None else torch.cat((out, self.tail.to(out.dtype)), dim=2)
 
+    def rows(self, r: slice):
+        """The view of rows ``r`` alone (its tensors, every one batch first, sliced; nothing copied)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return dataclasses.replace(self, **{name: t[r] for name, t in fields.items() if isinstance(t, torch.Tensor)})
+
     def with_tail(self, tail: torch.Tensor):
         """The view followed by ``tail`` (B, H, T, D), full-precision tokens not yet placed (an
         evicting cache's chunk, attended and ranked with the kept slots)."""
@@ -196,18 +201,40 @@ class PackedKeys(_Packed):
     seal_pos: torch.Tensor | None = None
 
     def decode(self, s0: int, s1: int) -> torch.Tensor:
-        """Slots [s0, s1) at the model's dtype, as a query after every completed group reads them."""
-        tok = _decode_tokens(self.codes[:, :, s0:s1], self.meta[:, :, s0:s1], self.bits)
+        """Slots [s0, s1) at the model's dtype, as a query after every completed group reads them.
+        Only the layouts the slots hold are computed (a sealed block: its groups' scales alone)."""
         if self.mode is None:
-            return tok.to(self.dtype)
+            return _decode_tokens(self.codes[:, :, s0:s1], self.meta[:, :, s0:s1], self.bits).to(self.dtype)
         mode = self.mode[:, :, s0:s1].unsqueeze(-1)
-        slots = torch.arange(s0, s1, device=self.device)
-        scale, zero = self.channel[:, :, slots // self.group].float().unbind(-2)  # (B, H, m, D)
-        own = -self.meta[:, :, s0:s1, :1].float()  # (B, H, m, 1): each CHANNEL key's own scale
-        ch = (unpack(self.codes[:, :, s0:s1], self.bits).float() * scale + zero) * own
-        res = _rows_of(self.residual, self.res_start, slots).float()
-        out = torch.where(mode == CHANNEL, ch, torch.where(mode == RESIDUAL, res, tok))
+        B, H, m = mode.shape[:3]
+        out = None
+        if _any(mode == CHANNEL):
+            out = self._channel_decode(s0, s1)
+        if _any(mode == TOKEN):
+            tok = _decode_tokens(self.codes[:, :, s0:s1], self.meta[:, :, s0:s1], self.bits)
+            out = tok if out is None else torch.where(mode == TOKEN, tok, out)
+        if _any(mode == RESIDUAL):
+            res = _rows_of(self.residual, self.res_start, torch.arange(s0, s1, device=self.device)).float()
+            out = res if out is None else torch.where(mode == RESIDUAL, res, out)
+        if out is None:  # no slot at all
+            out = torch.zeros(B, H, m, self.head_dim, device=self.device)
         return out.to(self.dtype)
+
+    def _channel_decode(self, s0: int, s1: int) -> torch.Tensor:
+        """Slots [s0, s1) read per channel, float32 (B, H, m, D): (code * S + Z) * t with each
+        group's S, Z and each key's own t; whole groups take their group's scales by broadcast."""
+        G = self.group
+        x = unpack(self.codes[:, :, s0:s1], self.bits).float()
+        own = -self.meta[:, :, s0:s1, :1].float()  # (B, H, m, 1): each CHANNEL key's own scale
+        whole = (s1 - s0) // G * G if s0 % G == 0 else 0
+        if whole:
+            scale, zero = self.channel[:, :, s0 // G : (s0 + whole) // G].float().unbind(-2)  # (B, H, n, D)
+            x[:, :, :whole].unflatten(2, (-1, G)).mul_(scale.unsqueeze(3)).add_(zero.unsqueeze(3))
+        if whole < s1 - s0:
+            slots = torch.arange(s0 + whole, s1, device=self.device)
+            scale, zero = self.channel[:, :, slots // G].float().unbind(-2)  # (B, H, m', D)
+            x[:, :, whole:].mul_(scale).add_(zero)
+        return x.mul_(own)
 
     def scores(self, q: torch.Tensor, q_pos: torch.Tensor | None, s0: int, s1: int,
                work: torch.Tensor | None = None, present: tuple[bool, bool, bool] | None = None) -> torch.Tensor:

@@ -680,19 +680,22 @@ def test_buffers_name_every_tensor_a_storage_holds(llama, name):
     assert storage.nbytes() == sum(t.numel() * t.element_size() for t in storage.buffers().values())
 
 
-@pytest.mark.parametrize("case", ["fresh", "after_open_group", "ragged", "window", "query_blocks", "key_blocks"])
+@pytest.mark.parametrize("case", ["fresh", "after_open_group", "ragged", "window", "query_blocks", "key_blocks",
+                                  "past_window", "past_blocks"])
 def test_kivi_chunk_attention_equals_reading_the_codes(case, monkeypatch):
     """``attend_chunk`` (decoded slots, staged groups, fused attention) gives what the packed
     kernel computes over the same slots, query by query as each reads them at its position;
-    reading every slot as it is now instead would differ."""
+    reading every slot as it is now instead would differ. The past_* cases follow a stored past
+    of sealed groups (attended by every query, folded on), with a window, or in blocks of
+    slots and queries."""
     G, D, H, Hq, C = 4, 16, 2, 4, 40
     B = 2 if case == "ragged" else 1
     gen = torch.Generator().manual_seed(3)
     store = KiviStorage(spec(D=D, H=H, C=C, B=B, storage=f"kivi4/{G}"), 4, False, G)
-    window = 6 if case == "window" else None
-    if case in ("query_blocks", "key_blocks"):  # several fused calls, their blocks cutting across key groups
+    window = 6 if case in ("window", "past_window") else None
+    if case in ("query_blocks", "key_blocks", "past_blocks"):  # several fused calls, their blocks cutting across key groups
         monkeypatch.setattr(kivi_module, "CHUNK_QUERIES", 3)
-    if case == "key_blocks":  # the slots decoded a key group at a time, each query block folding them
+    if case in ("key_blocks", "past_blocks"):  # the slots decoded a key group at a time, each query block folding them
         monkeypatch.setattr(fused, "BLOCK_BYTES", 1)
         monkeypatch.setattr(fused, "MIN_BLOCK", 1)
         monkeypatch.setattr(fused, "MIN_UNMASKED", 1)
@@ -709,14 +712,107 @@ def test_kivi_chunk_attention_equals_reading_the_codes(case, monkeypatch):
     if case == "after_open_group":
         write(0, 6, [6])  # one group sealed, two tokens left open in the residual
         start = 6
+    if case.startswith("past"):
+        write(0, 13, [13])  # three groups sealed, one token open
+        start = 13
     n = [13, 9] if case == "ragged" else [13] * B
     write(start, 13, n)
     q = torch.randn(B, Hq, 13, D, generator=gen).to(DEVICE)
     q_pos = start + torch.arange(13, device=DEVICE).expand(B, 13)
-    got = store.attend_chunk(q, q_pos, torch.tensor(n), window)  # n_tokens stays on the host
     keys, values, k_pos = store.view(start + 13)
     want = attention.masked(q, keys, values, q_pos, k_pos, window=window)
     now = attention.masked(q, keys.decoded(), values.decoded(), q_pos, k_pos, window=window)
+    got = store.attend_chunk(q, q_pos, torch.tensor(n), window)  # n_tokens stays on the host
+    # The chunk was the last to read what its write staged: a later view reads every slot as it is.
+    assert store._staged is None and store.view(start + 13)[0].stage is None
     for b in range(B):
         assert max_diff(got[b, :, : n[b]], want[b, :, : n[b]]) <= 1e-5
     assert max_diff(now, want) > 1e-3  # the staged reads matter
+
+
+# ----- a chunk's write and read in bounded pieces ---------------------------------------------------
+
+
+def test_an_aligned_kivi_write_stages_views_of_the_chunk():
+    """A chunk written from a group's first slot stages its groups as views of its own keys and
+    values (no copy); one that continues an open group stages copies."""
+    G, D, H, C = 4, 16, 2, 40
+    store = KiviStorage(spec(D=D, H=H, C=C, storage=f"kivi4/{G}"), 4, False, G)
+    gen = torch.Generator().manual_seed(0)
+    k, v = torch.randn(1, H, 10, D, generator=gen).to(DEVICE), torch.randn(1, H, 10, D, generator=gen).to(DEVICE)
+    store.write_slice(0, k, v, torch.arange(10, device=DEVICE)[None])
+    stage_k, stage_v = store._staged[:2]
+    assert stage_k.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
+    assert stage_v.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+    assert torch.equal(stage_k.flatten(2, 3), k[:, :, :8])
+    # The open group's two tokens are the residual, as a copy would have left them.
+    assert torch.equal(store.k_residual[:, :, :2], k[:, :, 8:]) and not bool(store.k_residual[:, :, 2:].any())
+    k2, v2 = torch.randn(1, H, 6, D, generator=gen).to(DEVICE), torch.randn(1, H, 6, D, generator=gen).to(DEVICE)
+    store.write_slice(10, k2, v2, torch.arange(10, 16, device=DEVICE)[None])
+    assert store._staged[0].untyped_storage().data_ptr() != k2.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("name", ["token8", "token4/8", "token2", "kivi4/4", "kivi2/4"])
+def test_codes_do_not_depend_on_the_slices_a_chunk_is_coded_in(name, monkeypatch):
+    """A chunk's per-token codes and sealed key groups are computed a slice at a time
+    (``SLICE_ELEMENTS``, ``SEAL_SLOTS``): the same bits in slices of one token as in one piece."""
+    import sys
+
+    from kvcache.quant import codes as codes_module
+
+    gen = torch.Generator().manual_seed(1)
+    k = (torch.randn(2, 2, 37, 16, generator=gen) * torch.linspace(0.2, 3, 16)).to(DEVICE)
+    v = torch.randn(2, 2, 37, 16, generator=gen).to(DEVICE)
+
+    def stored():
+        store = make_storage(spec(D=16, H=2, C=48, B=2, storage=name))
+        store.write_slice(0, k, v, torch.arange(37, device=DEVICE).expand(2, 37))
+        return {n: t.clone() for n, t in store.buffers().items()}
+
+    whole = stored()
+    monkeypatch.setattr(codes_module, "SLICE_ELEMENTS", 1)
+    monkeypatch.setattr(kivi_module, "SEAL_SLOTS", 1)
+    monkeypatch.setattr(sys.modules[TokenStorage.__module__], "SLICE_ELEMENTS", 1)
+    sliced = stored()
+    assert all(torch.equal(whole[n], sliced[n]) for n in whole)
+
+
+@pytest.mark.parametrize("name", EXACT)
+def test_a_chunk_read_back_from_its_slots_is_its_roundtrip(name):
+    """What a dense chunk attends (its slots read back once written) is ``roundtrip``'s."""
+    gen = torch.Generator().manual_seed(2)
+    k, v = torch.randn(1, 2, 20, 16, generator=gen).to(DEVICE), torch.randn(1, 2, 20, 16, generator=gen).to(DEVICE)
+    store = make_storage(spec(D=16, H=2, C=32, storage=name))
+    want_k, want_v = store.roundtrip(k, v)
+    store.reset()
+    store.write_slice(3, k, v, torch.arange(3, 23, device=DEVICE)[None])
+    got_k, got_v = store.read_back(3, 20)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    kivi = make_storage(spec(D=16, H=2, C=32, storage="kivi4/4"))
+    with pytest.raises(TypeError, match="attend_chunk"):
+        kivi.read_back(0, 4)
+
+
+def test_packed_keys_decode_any_range_and_rows():
+    """``PackedKeys.decode`` of any slot range (group-aligned or not, per channel, per token and
+    residual keys) is that range of the whole; a view of some rows decodes those rows."""
+    G = 4
+    store = KiviStorage(spec(D=16, H=2, C=40, B=2, storage=f"kivi2/{G}"), 2, False, G)
+    gen = torch.Generator().manual_seed(4)
+    k, v = torch.randn(2, 2, 30, 16, generator=gen).to(DEVICE), torch.randn(2, 2, 30, 16, generator=gen).to(DEVICE)
+    store.write_slice(0, k[:, :, :22], v[:, :, :22], torch.arange(22, device=DEVICE).expand(2, 22))
+    store.write_slice(22, k[:, :, 22:], v[:, :, 22:], torch.arange(22, 30, device=DEVICE).expand(2, 8))
+    keys, values, _ = store.view(30)
+    assert {int(m) for m in keys.mode.unique()} >= {CHANNEL, RESIDUAL}
+    whole_k, whole_v = keys.decoded(), values.decoded()
+    # The per-channel reading, slot by slot: (code * S + Z) * t with t minus the key's meta.
+    slots = torch.arange(30, device=DEVICE)
+    scale, zero = keys.channel[:, :, slots // G].float().unbind(-2)
+    ch = (unpack(keys.codes, 2).float() * scale + zero) * -keys.meta[..., :1].float()
+    channel = (keys.mode == CHANNEL)[..., None]
+    assert torch.equal(torch.where(channel, ch.to(whole_k.dtype), whole_k), whole_k)
+    for s0, s1 in ((0, 30), (4, 12), (5, 11), (3, 30), (20, 27)):
+        assert torch.equal(keys.decode(s0, s1), whole_k[:, :, s0:s1])
+        assert torch.equal(values.decode(s0, s1), whole_v[:, :, s0:s1])
+    assert torch.equal(keys.rows(slice(1, 2)).decode(5, 23), whole_k[1:, :, 5:23])
+    assert torch.equal(values.rows(slice(0, 1)).decode(0, 30), whole_v[:1])

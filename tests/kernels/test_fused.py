@@ -135,3 +135,35 @@ def test_chunked_prefill_in_small_blocks_equals_one_block(llama, monkeypatch, st
     monkeypatch.setattr(fused, "QUERY_BLOCK", 32)
     monkeypatch.setattr(fused, "MIN_UNMASKED", 16)
     assert max_diff(run(), one) <= CACHE_ATOL[torch.float32]
+
+
+def test_a_fold_goes_on_from_another_folds_queries():
+    """Folding a block into one fold, then the next block into a fold made from its acc and lse
+    (views of them), gives what one fold of both blocks gives; only folding queries go on."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 4, 6, 16, generator=g)
+    k, v = torch.randn(1, 2, 10, 16, generator=g), torch.randn(1, 2, 10, 16, generator=g)
+    rows = slice(0, 1)
+    whole = fused.Fold(q)
+    whole.add(rows, 0, 6, k[:, :, :4], v[:, :, :4], None)
+    whole.add(rows, 0, 6, k[:, :, 4:], v[:, :, 4:], None)
+    first = fused.Fold(q)
+    first.add(rows, 0, 6, k[:, :, :4], v[:, :, :4], None)
+    part = fused.Fold(q[:, :, 2:5], acc=first.acc[:, :, 2:5], lse=first.lse[:, :, 2:5])
+    part.add(rows, 0, 3, k[:, :, 4:], v[:, :, 4:], None)
+    assert max_diff(part.out(), whole.out()[:, :, 2:5]) <= 1e-6
+    assert max_diff(first.out()[:, :, 2:5], whole.out()[:, :, 2:5]) <= 1e-6  # the views were updated
+    with pytest.raises(ValueError, match="acc and lse"):
+        fused.Fold(q, acc=first.acc)
+
+
+def test_slot_blocks_from_a_start(small_blocks):
+    spec = CacheSpec(batch_size=1, num_kv_heads=2, head_dim=16, cache_length=40, dtype=torch.float32,
+                     device=torch.device("cpu"), storage="int8")
+    keys = make_storage(spec).view(40)[0]
+    q = torch.zeros(1, 4, 3, 16)
+    blocks = fused.slot_blocks(keys, 40, q, 4, start=12)
+    assert blocks[0][0] == 12 and blocks[-1][1] == 40
+    assert all(b == c for (_, b), (c, _) in zip(blocks, blocks[1:]))
+    assert all((s1 - s0) % 4 == 0 for s0, s1 in blocks[:-1])
+    assert fused.slot_blocks(keys, 12, q, 4, start=12) == [(12, 12)]

@@ -34,13 +34,16 @@ class DenseCache(LayerCache):
         store = self.storage
         # Where a token's bits do not depend on where or when it is stored (``exact_roundtrip``),
         # a chunk attends the bits the cache keeps as plain tensors, at the cost of dense
-        # attention: its own tokens read back from their codes (stored as those codes), the
-        # stored slots decoded. Every later step reads the same numbers from the slots, so the
+        # attention: its own tokens read back from their codes once stored, the stored slots
+        # decoded. Every later step reads the same numbers from the slots, so the
         # result does not depend on how the sequence is chunked. (KIVI keys change layout as
         # their group fills, and each query reads them as they were at its position: the
         # storage's ``attend_chunk`` attends such a chunk.)
         readback = store.exact_roundtrip and (T > 1 or not store.packed)
-        if readback:
+        # A quantized chunk is read back from its codes once written (below); one wider than the
+        # cache's slots (padding past them) before, as storing it will code it.
+        early = readback and (not store.packed or (step.fresh and T > self.spec.cache_length))
+        if early:
             k, v = store.roundtrip(k, v)  # storing them below stores the codes computed here
         if step.uniform:
             store.write_slice(step.start0, k, v, step.positions)
@@ -49,6 +52,11 @@ class DenseCache(LayerCache):
             # Padding went to the scratch slot: it holds no token (as after an evicting cache's write).
             store.pos[:, :, self.spec.cache_length] = -1
         if step.fresh and readback:
+            if not early:
+                # The chunk read back from the codes just written (slot t holds token t): what
+                # ``roundtrip`` gives, without holding the codes twice. (Padding reads its slot's
+                # old contents, which no real query sees.)
+                k, v = store.read_back(0, T)
             return attention.causal(q, k, v, window=self.spec.sliding_window)
         if T > 1 and store.packed and not store.exact_roundtrip:
             return store.attend_chunk(q, step.positions, step.n_tokens, self.spec.sliding_window)

@@ -29,6 +29,9 @@ from .token import TokenStorage, _encode_pair, _stackable
 
 # Queries per fused call of ``KiviStorage.attend_chunk``: their mask (queries x slots) stays small.
 CHUNK_QUERIES = 256
+# Keys (slots x K/V heads) a chunk's write quantizes per channel at a time: its temporaries (a few
+# float32 copies of them, more at 2 bits' clipped-range search) stay a few MiB whatever the chunk.
+SEAL_SLOTS = 2048
 # The per-token scale of a key kept per channel: its per-token meta is never read as such, so a
 # negative scale (scales are never negative) says the slot's mode instead of a mode byte per slot.
 # It is the negated scale of the key on top of its group's per channel (``quantize_scaled``), at
@@ -252,24 +255,40 @@ class KiviStorage(TokenStorage):
         res_start, fill = self.res_start.cpu(), self.fill.cpu()
         # An abandoned group falls back to per-token keys, an open one is RESIDUAL: both follow
         # res_start and fill, set at the end.
-        plan = _Runs(slots.cpu(), self.pos.shape[2] - 1, G, self.whole_groups, res_start, fill)
+        slots = slots.cpu()
+        plan = _Runs(slots, self.pos.shape[2] - 1, G, self.whole_groups, res_start, fill)
         if plan.runs:
             NS = plan.runs
-            index = torch.where(plan.resid, plan.run * G + plan.offset, NS * G).to(dev)  # (B, T)
-            stages = []
-            for x, residual in ((k, self.k_residual), (v, self.v_residual)):
-                # (B, H, NS + 1, G, D): one group per run, and a last one for the tokens of no run.
-                stage = x.new_zeros(B, H, NS + 1, G, D, dtype=residual.dtype)
-                stage.view(B, H, (NS + 1) * G, D).scatter_(2, index[:, None, :, None].expand(B, H, T, D), x.to(residual.dtype))
-                for b, r in plan.continued:
-                    stage[b, :, r, : int(fill[b])] = residual[b, :, : int(fill[b])]
-                stages.append(stage[:, :, :NS])
+            if plan.aligned(slots):
+                # Every row writes whole groups from a group's first slot, in slot order: run r is
+                # the chunk's tokens [r G, (r + 1) G), so the staged groups are views of k and v
+                # (the last, open one, if any, goes to the residual).
+                stages = [x.to(residual.dtype)[:, :, : T // G * G].unflatten(2, (T // G, G))
+                          for x, residual in ((k, self.k_residual), (v, self.v_residual))]
+            else:
+                index = torch.where(plan.resid, plan.run * G + plan.offset, NS * G).to(dev)  # (B, T)
+                stages = []
+                for x, residual in ((k, self.k_residual), (v, self.v_residual)):
+                    # (B, H, NS + 1, G, D): one group per run, and a last one for the tokens of no run.
+                    stage = x.new_zeros(B, H, NS + 1, G, D, dtype=residual.dtype)
+                    stage.view(B, H, (NS + 1) * G, D).scatter_(2, index[:, None, :, None].expand(B, H, T, D),
+                                                              x.to(residual.dtype))
+                    for b, r in plan.continued:
+                        stage[b, :, r, : int(fill[b])] = residual[b, :, : int(fill[b])]
+                    stages.append(stage[:, :, :NS])
             bs, rs = plan.sealed.nonzero(as_tuple=True)
             if bs.numel():
                 self._seal(stages[0], bs, rs, plan.group[bs, rs])
             for b, r in enumerate(plan.open_run):
-                if r >= 0:
+                if r < 0:
+                    continue
+                if r < stages[0].shape[2]:
                     self.k_residual[b], self.v_residual[b] = stages[0][b, :, r], stages[1][b, :, r]
+                else:  # aligned: the open run is the chunk's last T mod G tokens
+                    n = T - r * G
+                    for x, residual in ((k, self.k_residual), (v, self.v_residual)):
+                        residual[b, :, :n] = x[b, :, r * G :]
+                        residual[b, :, n:] = 0
             if bs.numel():
                 NB = self.k_channel.shape[2]
                 stage_of = torch.full((B, NB), -1, dtype=torch.long, device=dev)
@@ -283,15 +302,19 @@ class KiviStorage(TokenStorage):
         self.fill.copy_(torch.where(touched, plan.fill.to(dev), self.fill))
 
     def _seal(self, stage: torch.Tensor, bs: torch.Tensor, rs: torch.Tensor, groups: torch.Tensor) -> None:
-        """Quantize the staged keys of runs (bs, rs) per channel over their groups and store them."""
+        """Quantize the staged keys of runs (bs, rs) per channel over their groups and store them,
+        ``SEAL_SLOTS`` slots at a time (groups are quantized on their own: the temporaries
+        follow that, not the chunk)."""
         G, dev = self.key_group, self.k.device
-        b_idx, g_idx = bs.to(dev), groups.to(dev)
-        q, scale, zero, kmeta = self._quantize_keys(stage[b_idx, :, rs.to(dev)])  # (n, H, G, D)
-        self.k_channel[b_idx, :, g_idx] = torch.cat((scale, zero), 2)  # (n, H, 2, D)
-        slot = g_idx[:, None] * G + torch.arange(G, device=dev)  # (n, G)
-        rows = b_idx[:, None].expand_as(slot)
-        self.k[rows, :, slot] = pack(q, self.bits).transpose(1, 2)  # (n, G, H, Db)
-        self.k_meta[rows, :, slot] = kmeta.transpose(1, 2)  # (n, G, H, 2)
+        step = max(1, SEAL_SLOTS // (G * stage.shape[1]))
+        for i in range(0, bs.numel(), step):
+            b_idx, g_idx = bs[i : i + step].to(dev), groups[i : i + step].to(dev)
+            q, scale, zero, kmeta = self._quantize_keys(stage[b_idx, :, rs[i : i + step].to(dev)])  # (n, H, G, D)
+            self.k_channel[b_idx, :, g_idx] = torch.cat((scale, zero), 2)  # (n, H, 2, D)
+            slot = g_idx[:, None] * G + torch.arange(G, device=dev)  # (n, G)
+            rows = b_idx[:, None].expand_as(slot)
+            self.k[rows, :, slot] = pack(q, self.bits).transpose(1, 2)  # (n, G, H, Db)
+            self.k_meta[rows, :, slot] = kmeta.transpose(1, 2)  # (n, G, H, 2)
 
     # ----- moves: settle and keep --------------------------------------------------------------
     def settle(self, dst: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
@@ -431,58 +454,104 @@ class KiviStorage(TokenStorage):
         completed by it), and from its staged copy by the queries of its group before the seal:
         the copies are appended as extra keys to the last block a query block reads, under a
         mask of those two rules. Rows that differ in positions or staging go one at a time.
+        Afterwards nothing is staged: a later query reads every slot as it is now.
+
+        Two regions, so that what is held follows a block of queries, not the chunk: the groups
+        sealed before the chunk (its stored past, read as they are now by every query) are
+        decoded a block at a time and attended by all the chunk's queries, folded into one
+        float32 output per query; the slots from there on (the chunk's own, and the open group
+        it continued) are attended a block of queries at a time, each folded on its own and
+        written out at q's dtype, their blocks decoded once and kept for the later query blocks
+        (at most the chunk's own slots, which its keys and values hold at full precision anyway).
         """
-        B = q_pos.shape[0]
-        span = int((q_pos[:, 0].cpu() + n_tokens).max())
+        B, T = q_pos.shape
+        starts = q_pos[:, 0].cpu()
+        span = int((starts + n_tokens).max())
         keys, values, k_pos = self.view(span)
         staged = self._staged
-        starts = q_pos[:, 0].cpu()
         uniform = bool((starts == starts[0]).all() and (n_tokens == n_tokens[0]).all())
         rows = [slice(0, B)] if uniform and (staged is None or bool((staged[2] == staged[2][:1]).all())) else \
             [slice(b, b + 1) for b in range(B)]
-        reads = [(r, int(n_tokens[r].max()), *self._staged_reads(r, span, q.device)) for r in rows]
-        blocks = fused.slot_blocks(keys, span, q, self.key_group)
-        fold = fused.Fold(q)
-        for i, (s0, s1) in enumerate(blocks):
-            kb, vb = keys.decode(s0, s1), values.decode(s0, s1)
-            for r, n, seal, copies in reads:
-                pos_r = k_pos[r.start, 0]
-                for t0 in range(0, n, CHUNK_QUERIES):
-                    t1 = min(n, t0 + CHUNK_QUERIES)
-                    p = q_pos[r.start, t0:t1, None]  # (n, 1): the block's positions, shared by the rows
-                    newest = int(p.max())
-                    if s0 > newest:
-                        continue  # slot s holds position s: later slots are unseen
-                    e = min(s1, newest + 1)
-                    own = int(p.min()) // self.key_group * self.key_group  # the block's first group
-                    # Slots before it every query reads as they are now (each group there was
-                    # sealed before the query block's first position): one call without a mask.
-                    lead = 0 if fold.single or window is not None else max(0, min(e, own) - s0)
-                    if lead:
-                        fold.add(r, t0, t1, kb[r, :, :lead], vb[r, :, :lead], None)
-                    a = s0 + lead
-                    pos = pos_r[a:e]
-                    visible = (pos >= 0) & (pos <= p) & (p >= seal[a:e])
-                    kr, vr = kb[r, :, lead : e - s0], vb[r, :, lead : e - s0]
-                    last = s1 > newest or i == len(blocks) - 1  # the last block this query block reads
-                    if copies is not None and last:
-                        # It carries the staged copies the query block may read: its own groups'.
-                        slots, ks, vs = copies
-                        take = (slots <= newest) & (slots >= own)
-                        c_pos = pos_r[slots[take]]
-                        kr, vr = torch.cat((kr, ks[:, :, take]), dim=2), torch.cat((vr, vs[:, :, take]), dim=2)
-                        visible = torch.cat((visible, (c_pos <= p) & (p < seal[slots[take]])), dim=1)
+        G = self.key_group
+        single = not fused.folds(q)
+        out = torch.zeros_like(q)
+        past_fold = None
+        for r in rows:
+            n = int(n_tokens[r].max())
+            if n == 0:
+                continue
+            seal, copies = self._staged_reads(r, span, q.device)
+            pos_r = k_pos[r.start, 0]
+            keys_r, values_r = keys.rows(r), values.rows(r)
+            # Groups sealed before the chunk's first position: every query reads them as they are.
+            past = 0 if single else int(starts[r.start]) // G * G
+            if past:
+                if past_fold is None:
+                    past_fold = fused.Fold(q)
+                self._attend_past(past_fold, r, n, q_pos, keys_r, values_r, pos_r, past, q, window)
+            # The slots from ``past`` on, decoded a block at a time as the query blocks reach them
+            # and kept (one buffer), so that a query block reads them in one call or two.
+            decoded = _Decoded(keys_r, values_r, past, span, fused.slot_blocks(keys_r, span, q, G, start=past))
+            for t0 in range(0, n, CHUNK_QUERIES):
+                t1 = min(n, t0 + CHUNK_QUERIES)
+                if past_fold is not None and past:
+                    fold = fused.Fold(q[r, :, t0:t1], acc=past_fold.acc[r, :, t0:t1], lse=past_fold.lse[r, :, t0:t1])
+                else:
+                    fold = fused.Fold(q[r, :, t0:t1])
+                rows_r = slice(0, keys_r.codes.shape[0])
+                p = q_pos[r.start, t0:t1, None]  # (n, 1): the block's positions, shared by the rows
+                newest = int(p.max())
+                own = max(past, int(p.min()) // G * G)  # the block's first group
+                e = min(span, newest + 1)  # slot s holds position s: later slots are unseen
+                kb, vb = decoded.upto(e)
+                # Slots before the block's first group every query reads as they are now (each
+                # group there was sealed before the block's first position): one call, no mask.
+                a = past if single or window is not None else own
+                if a > past:
+                    fold.add(rows_r, 0, t1 - t0, kb[:, :, : a - past], vb[:, :, : a - past], None)
+                pos = pos_r[a:e]
+                visible = (pos >= 0) & (pos <= p) & (p >= seal[a:e])
+                kr, vr = kb[:, :, a - past : e - past], vb[:, :, a - past : e - past]
+                if copies is not None:
+                    # The staged copies the block may read: its own groups'.
+                    slots, ks, vs = copies(own, newest + 1)
+                    if slots is not None:
+                        c_pos = pos_r[slots]
+                        kr, vr = torch.cat((kr, ks), dim=2), torch.cat((vr, vs), dim=2)
+                        visible = torch.cat((visible, (c_pos <= p) & (p < seal[slots])), dim=1)
                         pos = torch.cat((pos, c_pos))
-                    if window is not None:
-                        visible &= pos > p - window
-                    if kr.shape[2]:
-                        fold.add(r, t0, t1, kr, vr, visible.expand(kr.shape[0], 1, *visible.shape))
-        return fold.out()
+                if window is not None:
+                    visible &= pos > p - window
+                if kr.shape[2]:
+                    fold.add(rows_r, 0, t1 - t0, kr, vr, visible.expand(kr.shape[0], 1, *visible.shape))
+                out[r, :, t0:t1] = fold.out()
+        # The chunk's queries were the last to read the staged groups: later ones read every slot
+        # as it is (and the staged copies, views of the chunk's keys and values, are let go).
+        self._staged = None
+        return out
+
+    def _attend_past(self, fold, r: slice, n: int, q_pos: torch.Tensor, keys: PackedKeys, values: PackedValues,
+                     pos_r: torch.Tensor, past: int, q: torch.Tensor, window: int | None) -> None:
+        """Fold into ``fold`` the queries [0, n) of rows ``r`` over slots [0, past), groups sealed
+        before the chunk: each block decoded once, attended by every query (under the model's
+        window, if any, else without a mask)."""
+        for s0, s1 in fused.slot_blocks(keys, past, q[r], self.key_group):
+            kb, vb = keys.decode(s0, s1), values.decode(s0, s1)
+            for t0 in range(0, n, CHUNK_QUERIES):
+                t1 = min(n, t0 + CHUNK_QUERIES)
+                if window is None:
+                    fold.add(r, t0, t1, kb, vb, None)
+                    continue
+                p = q_pos[r.start, t0:t1, None]
+                pos = pos_r[s0:s1]
+                visible = (pos >= 0) & (pos <= p) & (pos > p - window)
+                fold.add(r, t0, t1, kb, vb, visible.expand(kb.shape[0], 1, *visible.shape))
 
     def _staged_reads(self, r: slice, span: int, dev: torch.device):
         """For rows ``r``, which share what the last write staged: per slot of [0, span), the
-        position from which it is read as it is now (seal; -1: always), and the staged copies
-        (slots, keys, values: (b, Hkv, n, D) at the model's dtype) or None."""
+        position from which it is read as it is now (seal; -1: always), and a function of a slot
+        range [lo, hi) giving the staged copies there (slots, keys, values: (b, Hkv, n, D) at
+        the model's dtype; (None, None, None) if none), or None when nothing is staged."""
         seal = torch.full((span,), -1, dtype=torch.long, device=dev)
         if self._staged is None:
             return seal, None
@@ -491,11 +560,17 @@ class KiviStorage(TokenStorage):
         group = torch.arange(span, device=dev) // self.key_group
         entry = torch.where(group < NB, stage_of[0, group.clamp(max=NB - 1)], -1)
         seal = torch.where(entry >= 0, seal_pos[0, group.clamp(max=NB - 1)], -1)
-        slots = (entry >= 0).nonzero().flatten()
-        if slots.numel() == 0:
+        if not bool((entry >= 0).any()):
             return seal, None
-        e, off = entry[slots], slots % self.key_group
-        return seal, (slots, stage_k[:, :, e, off].to(self.dtype), stage_v[:, :, e, off].to(self.dtype))
+
+        def copies(lo: int, hi: int):
+            slots = lo + (entry[lo:hi] >= 0).nonzero().flatten()
+            if slots.numel() == 0:
+                return None, None, None
+            e, off = entry[slots], slots % self.key_group
+            return slots, stage_k[:, :, e, off].to(self.dtype), stage_v[:, :, e, off].to(self.dtype)
+
+        return seal, copies
 
     def reset(self) -> None:
         super().reset()
@@ -508,6 +583,29 @@ class KiviStorage(TokenStorage):
         return {**super().buffers(), "k_channel": self.k_channel,
                 "k_residual": self.k_residual, "v_residual": self.v_residual, "res_start": self.res_start,
                 "fill": self.fill}
+
+
+class _Decoded:
+    """Slots [start, span) of packed keys and values decoded into one buffer each, a block of
+    ``blocks`` at a time, as far as asked (``upto``): each block decoded once."""
+
+    def __init__(self, keys: PackedKeys, values: PackedValues, start: int, span: int,
+                 blocks: list[tuple[int, int]]) -> None:
+        self.keys, self.values, self.start, self.blocks = keys, values, start, list(blocks)
+        B, H = keys.codes.shape[:2]
+        shape = (B, H, span - start, keys.head_dim)
+        self.k = torch.empty(shape, dtype=keys.dtype, device=keys.device)
+        self.v = torch.empty(shape, dtype=values.dtype, device=values.device)
+        self.done = start
+
+    def upto(self, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The buffers, decoded at least up to slot ``stop`` (indices from ``start``)."""
+        while self.done < stop and self.blocks:
+            s0, s1 = self.blocks.pop(0)
+            self.k[:, :, s0 - self.start : s1 - self.start] = self.keys.decode(s0, s1)
+            self.v[:, :, s0 - self.start : s1 - self.start] = self.values.decode(s0, s1)
+            self.done = s1
+        return self.k, self.v
 
 
 class _Runs:
@@ -523,6 +621,7 @@ class _Runs:
 
     def __init__(self, slots: torch.Tensor, C: int, G: int, NG: int, res_start: torch.Tensor, fill: torch.Tensor) -> None:
         B, T = slots.shape
+        self.G = G
         real = slots < C
         group, offset = slots // G, slots % G
         prev = torch.cat((torch.full((B, 1), -2, dtype=torch.long), slots[:, :-1]), 1)
@@ -556,6 +655,14 @@ class _Runs:
         self.open_run = torch.where(last_open, last[:, 0], -1).tolist()
         self.res_start = torch.where(last_open, self.group.gather(1, last)[:, 0] * G, -1)
         self.fill = torch.where(last_open, count.gather(1, last)[:, 0], 0)
+
+    def aligned(self, slots: torch.Tensor) -> bool:
+        """Whether every row writes the same slots s0, s0 + 1, ... from a group's first slot, each
+        token in a run (none continued): run r is then tokens [r G, (r + 1) G) of the chunk."""
+        B, T = slots.shape
+        s0 = int(slots[0, 0]) if T else 0
+        return (T > 0 and s0 % self.G == 0 and not self.continued and bool(self.resid.all())
+                and bool((slots == torch.arange(s0, s0 + T)).all()))
 
     def last_pos(self, bs: torch.Tensor, rs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Position of the last token of runs (bs, rs): positions (B, T), CPU."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ...quant.codes import decode_tokens, encode_tokens
+from ...quant.codes import SLICE_ELEMENTS, decode_tokens, encode_tokens
 from ...quant.packed import PackedKeys, PackedValues, after
 from .. import positions as _positions
 from ..base import CacheSpec
@@ -117,11 +117,27 @@ class TokenStorage:
 
     # ----- the Storage protocol ----------------------------------------------------------------
     def write_slice(self, start: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
-        """Write k, v: (B, Hkv, T, D) at slots [start, start + T) of every row; positions: (B, T)."""
-        stop = start + k.shape[2]
-        for buf, new in zip(self._buffers(), self._encoded(k, v)):
-            buf[:, :, start:stop] = new
-        self.pos[:, :, start:stop] = positions.unsqueeze(1)
+        """Write k, v: (B, Hkv, T, D) at slots [start, start + T) of every row; positions: (B, T).
+        A long chunk is coded a slice of tokens at a time, straight into the slots (each token
+        is coded on its own: the same codes, without a copy of them all)."""
+        T = k.shape[2]
+        whole = self._reuse(k, 0) is not None or self._reuse(v, 1) is not None
+        step = T if whole else max(1, SLICE_ELEMENTS // max(1, k[:, :, :1].numel()))
+        for t0 in range(0, T, step):
+            t1 = min(T, t0 + step)
+            part = (k, v) if (t0, t1) == (0, T) else (k[:, :, t0:t1], v[:, :, t0:t1])
+            for buf, new in zip(self._buffers(), self._encoded(*part)):
+                buf[:, :, start + t0 : start + t1] = new
+        self.pos[:, :, start : start + T] = positions.unsqueeze(1)
+
+    def read_back(self, start: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of slots [start, start + T) as ``roundtrip`` returns tokens stored
+        there: (B, Hkv, T, D) at the model's dtype (a storage with ``exact_roundtrip`` only)."""
+        if not self.exact_roundtrip:
+            raise TypeError(f"{type(self).__name__} keys are not read back per token: its chunks attend with attend_chunk")
+        stop = start + T
+        return self.decode(self.k[:, :, start:stop], self.k_meta[:, :, start:stop]), \
+            self.decode(self.v[:, :, start:stop], self.v_meta[:, :, start:stop])
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """Write token t of row b to slot ``slots[b, t]`` (shared by heads); positions: (B, T)."""
