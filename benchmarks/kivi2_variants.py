@@ -20,6 +20,8 @@ A variant is options joined by ``+`` (docs/quantized.md, 2-bit section):
              kpre     per channel before RoPE           krot     rotated (Hadamard), per channel
              krottok  rotated, per token                 k4       4-bit per channel
              kls      ranges refitted by 3 least-squares (Lloyd) steps after the clipped choice
+             koff     a scale and an offset per key, fitted by least squares to the decoded codes
+             kpre+kscale  per channel before RoPE, with a scale per key
              kfull    full precision
     values:  (default) per token, one group             vg4      4 groups of channels
              vrot     rotated (Hadamard) before the codes, back after
@@ -28,7 +30,7 @@ A variant is options joined by ``+`` (docs/quantized.md, 2-bit section):
     L<i>=<option>  an option for layer i only (``L3=k4``)
 
     python benchmarks/kivi2_variants.py [--tokens 4096] [--variants base,kivi2,kscale,vg4,...]
-        [--seed 0] [--threads 1]
+        [--seed 0] [--threads 1] [--text shakespeare__hamlet]
 
 Prints one JSON object. CPU, about 10 s a variant at 4096 tokens.
 """
@@ -103,8 +105,22 @@ def read_back(opts: set[str], k, k_pre, v, cos, sin, rot) -> tuple[torch.Tensor,
         opts = opts | {"kscale", "vg4"}
     if "kfull" in opts:
         kh = k
+    elif "kpre" in opts and "kscale" in opts:
+        q, scale, zero, t = quantize_scaled(k_pre.reshape(B, H, T // GROUP, GROUP, D), BITS, clip=key_clip(BITS))
+        kh = apply_rope(((q.float() * scale.float() + zero.float()) * t.float()).view(B, H, T, D), cos, sin)
     elif "kpre" in opts:
         kh = apply_rope(per_channel(k_pre, ls="kls" in opts), cos, sin)
+    elif "koff" in opts:
+        # A scale and an offset per key (the second fp16 a per-channel key's meta leaves unused):
+        # the least-squares fit of the key to its decoded codes u, key ~ t u + o.
+        q, scale, zero, t = quantize_scaled(k.view(B, H, T // GROUP, GROUP, D), BITS, clip=key_clip(BITS))
+        u = (q.float() * scale.float() + zero.float()).view(B, H, T, D)
+        mu, mk = u.mean(-1, keepdim=True), k.mean(-1, keepdim=True)
+        var = (u - mu).square().sum(-1, keepdim=True)
+        a = ((u - mu) * (k - mk)).sum(-1, keepdim=True) / var.clamp(min=1e-30)
+        a = torch.where((var > 0) & (a > 0), a, t.float().view(B, H, T, 1)).half().float()
+        o = (mk - a * mu).half().float()
+        kh = u * a + o
     elif "krottok" in opts:
         kh = per_token(k @ rot) @ rot.T
     elif "krot" in opts:
@@ -202,17 +218,31 @@ def main() -> None:
     p.add_argument("--variants", default=DEFAULT)
     p.add_argument("--seed", type=int, default=0, help="the Hadamard matrix's signs")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--text", default=None,
+                   help="one packaged held-out text by name (austen__emma, kjv__luke, ...; default: all of "
+                        "them in one stream, whose first tokens are austen__emma's)")
     args = p.parse_args()
     if args.tokens % GROUP:
         p.error(f"--tokens must be a multiple of {GROUP}")
     torch.set_num_threads(args.threads)
     tokenizer, model = load_tokenizer(None), load(None)
-    ids = read_texts(None, tokenizer)[None, : args.tokens]
+    if args.text is None:
+        ids = read_texts(None, tokenizer)[None, : args.tokens]
+    else:
+        import tempfile
+        from pathlib import Path
+
+        from kvcache.tasks import DEFAULT_TEXTS
+
+        with tempfile.TemporaryDirectory() as one:
+            (Path(one) / f"{args.text}.txt").write_text((DEFAULT_TEXTS / f"{args.text}.txt").read_text())
+            ids = read_texts(one, tokenizer)[None, : args.tokens]
     attention = [m for m in model.modules() if isinstance(m, model_module.Attention)]
     for i, m in enumerate(attention):
         m.layer_index = i
     rot = hadamard(attention[0].cfg.head_dim, args.seed)
-    report = {"tokens": ids.shape[1], "seed": args.seed, "threads": args.threads, "variants": {}}
+    report = {"tokens": ids.shape[1], "text": args.text or "all", "seed": args.seed, "threads": args.threads,
+              "variants": {}}
     original = model_module.Attention.forward
     with torch.inference_mode():
         ref = F.log_softmax(model(ids)[0, :-1].float(), -1)

@@ -1,0 +1,72 @@
+"""Top-1 agreement with dense of quantized dense caches on every held-out text kvcache ships, each
+text on its own: the streaming protocol of ``kvcache eval`` (``--tokens`` tokens of the text fed
+in ``--chunk``-token chunks, the next-token argmax and KL against one full-precision forward over
+the same tokens, computed in the same run).
+
+    python benchmarks/agreement.py [--storages int8 int4 int2] [--tokens 4096] [--texts DIR]
+
+Prints one JSON object: per text and storage, top-1 agreement, mean KL and the positions compared;
+``worst`` names the lowest agreement of each storage. The bundled model, float32, one thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import kvcache
+from kvcache.evaluate import reference_logprobs, streaming
+from kvcache.tasks import DEFAULT_TEXTS, read_texts
+
+
+def log(*args) -> None:
+    print(*args, file=sys.stderr, flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--storages", nargs="+", default=["int8", "int4", "int2"])
+    parser.add_argument("--tokens", type=int, default=4096,
+                        help="tokens of each text (positions compared: one fewer; the bundled model takes 4096)")
+    parser.add_argument("--chunk", type=int, default=32)
+    parser.add_argument("--texts", default=None, help="a directory of .txt files (default: the packaged texts)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", help="also write the JSON here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model = kvcache.load(None, dtype=torch.float32)
+    tokenizer = kvcache.load_tokenizer(None)
+    source = Path(args.texts) if args.texts else DEFAULT_TEXTS
+    report = {"torch": torch.__version__, "model": "bundled", "tokens": args.tokens, "chunk": args.chunk, "results": []}
+    for path in sorted(source.glob("*.txt")):
+        with tempfile.TemporaryDirectory() as one:
+            (Path(one) / path.name).write_text(path.read_text())
+            ids = read_texts(one, tokenizer)[: args.tokens]
+        if ids.shape[0] < args.tokens:
+            log(f"{path.name}: {ids.shape[0]} tokens, fewer than {args.tokens}")
+        reference = reference_logprobs(model, ids, args.tokens)
+        for storage in args.storages:
+            start = time.perf_counter()
+            r = streaming(model, ids[None], f"dense:{storage}", ids.shape[0], args.chunk, reference)
+            row = {"text": path.stem, "storage": storage, "positions": ids.shape[0] - 1,
+                   "top1_agreement": round(r["top1_agreement"], 5), "kl": round(r["kl"], 5),
+                   "perplexity": round(r["perplexity"], 3), "seconds": round(time.perf_counter() - start, 1)}
+            report["results"].append(row)
+            log(json.dumps(row))
+    report["worst"] = {s: min((r for r in report["results"] if r["storage"] == s), key=lambda r: r["top1_agreement"])
+                       for s in args.storages}
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
