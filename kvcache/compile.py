@@ -45,8 +45,8 @@ class CompiledDecode:
         cache.check_model(model)
         self.model, self.cache = model, cache
         device = model.embed_tokens.weight.device
-        if mode is None and device.type == "cuda":
-            mode = "reduce-overhead"
+        if mode is None and device.type == "cuda" and backend == "inductor":
+            mode = "reduce-overhead"  # a mode is inductor's: another backend would get it as an argument
         self._cuda_graphs = mode == "reduce-overhead"
         # Seconds the first call took: the capture (tracing, compiling) plus one step.
         self.compile_s: float | None = None

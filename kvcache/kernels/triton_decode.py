@@ -144,8 +144,10 @@ def decode(q: torch.Tensor, k: PackedKeys, v: PackedValues, visible: torch.Tenso
     k_res = k.residual if kivi else dummy
     v_res = v.residual if kivi else dummy
     res_start = k.res_start if kivi else dummy
-    vis = visible.view(torch.uint8) if visible is not None else dummy
-    vis_h = 0 if visible is None or visible.shape[1] == 1 else visible.stride(1)
+    # A copy, not a bool-to-uint8 view: inductor cannot lower that view of a kernel's argument
+    # inside a captured step (torch 2.11), and the copy is one byte a slot.
+    vis = visible.to(torch.uint8) if visible is not None else dummy
+    vis_h = 0 if visible is None or visible.shape[1] == 1 else vis.stride(1)
     _decode_kernel[(B * H, splits)](
         qf, k.codes, k.meta, v.codes, v.meta, mode, channel, k_res, v_res, res_start, vis,
         acc, m, l, scores,
@@ -155,7 +157,7 @@ def decode(q: torch.Tensor, k: PackedKeys, v: PackedValues, visible: torch.Tenso
         *v.codes.stride()[:3], *v.meta.stride()[:3],
         *(mode.stride()[:2] if kivi else (0, 0)), *(channel.stride()[:4] if kivi else (0, 0, 0, 0)),
         *(k_res.stride()[:3] if kivi else (0, 0, 0)),
-        *((visible.stride(0), vis_h) if visible is not None else (0, 0)),
+        *((vis.stride(0), vis_h) if visible is not None else (0, 0)),
         D=D, BITS=k.bits, GP=GP, BLOCK=BLOCK_S, NK=k.meta.shape[-1] // 2, NV=v.meta.shape[-1] // 2,
         KIVI=kivi, KGROUP=max(k.group, 1), HAS_VIS=visible is not None, WANT_SCORES=want_mass,
     )

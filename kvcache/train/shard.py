@@ -88,12 +88,17 @@ def shard(model: torch.nn.Module, how: str) -> torch.nn.Module:
         ddp = torch.nn.parallel.DistributedDataParallel
         renamed = "forward_sync_buffers" in inspect.signature(ddp).parameters
         return ddp(step, **{"forward_sync_buffers" if renamed else "broadcast_buffers": False})
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    # The mesh is on the model's device type. fully_shard's default mesh is on CUDA whenever CUDA
+    # is available, which would move a CPU model (gloo ranks) there and give rank N device N.
+    device = next(step.parameters()).device
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for block in step.transformer.layers:
-        fully_shard(block)
+        fully_shard(block, mesh=mesh)
     # The root holds the embeddings, the final norm and the output head, which every chunk uses.
-    fully_shard(step)
+    fully_shard(step, mesh=mesh)
     return step
 
 
