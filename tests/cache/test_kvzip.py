@@ -87,7 +87,10 @@ def test_a_budget_covering_the_sequence_is_the_dense_cache(llama):
         logits = kvzip.prefill(llama, cache, ctx, repeat=REPEAT)
         dense = kvcache.make_cache(llama, "dense", cache_length=total)
         assert torch.equal(logits, llama(ctx, dense, last_only=True)[:, 0])
-        assert torch.equal(llama(rest, cache), llama(rest, dense))
+        # The next chunk: equal within the cache tolerance, as every policy's covering budget is
+        # (bitwise on the CPU; on CUDA a dense chunk and an evicting cache's chunk attend
+        # different numbers of slots, which CUDA's kernels sum in different orders).
+        assert max_diff(llama(rest, cache), llama(rest, dense)) <= EXACT_ATOL[torch.float32]
         for layer, ref in zip(cache.layers, dense.layers):
             assert torch.equal(layer.storage.k[0, :, :29], ref.storage.k[0, :, :29])
         cache = kvcache.make_cache(llama, "kvzip", cache_length=total)
