@@ -77,12 +77,14 @@ def layer(storage: str, tokens: int, dtype=torch.float32, device: torch.device =
                      device=device, storage=storage)
     dense = DenseCache(spec)
     cache = KVCache([dense], spec, f"dense:{storage}")
-    gen = torch.Generator().manual_seed(0)
+    # Drawn on the device: at batch 16 and 32k tokens a layer is 2 x 537M numbers, which the
+    # CPU takes tens of seconds to draw.
+    gen = torch.Generator(device).manual_seed(0)
     for start in range(0, tokens, 1024):
         n = min(1024, tokens - start)
         step = cache.begin(torch.zeros(batch, n, dtype=torch.long, device=device), None)
-        k = torch.randn(batch, HKV, n, D, generator=gen).to(device, dtype)
-        v = torch.randn(batch, HKV, n, D, generator=gen).to(device, dtype)
+        k = torch.randn(batch, HKV, n, D, generator=gen, device=device, dtype=dtype)
+        v = torch.randn(batch, HKV, n, D, generator=gen, device=device, dtype=dtype)
         dense.storage.write_slice(start, k, v, step.positions)
         cache.commit(step)
     return cache, dense
@@ -93,9 +95,9 @@ def decode_step(cache: KVCache, dense: DenseCache, gen: torch.Generator) -> floa
     spec = cache.spec
     batch, device, dtype = spec.batch_size, spec.device, spec.dtype
     step = cache.begin(torch.zeros(batch, 1, dtype=torch.long, device=device), None)
-    q = torch.randn(batch, HQ, 1, D, generator=gen).to(device, dtype)
-    k = torch.randn(batch, HKV, 1, D, generator=gen).to(device, dtype)
-    v = torch.randn(batch, HKV, 1, D, generator=gen).to(device, dtype)
+    q = torch.randn(batch, HQ, 1, D, generator=gen, device=device, dtype=dtype)
+    k = torch.randn(batch, HKV, 1, D, generator=gen, device=device, dtype=dtype)
+    v = torch.randn(batch, HKV, 1, D, generator=gen, device=device, dtype=dtype)
     sync(device)
     t = time.perf_counter()
     dense.attend(q, k, v, step)
@@ -164,7 +166,7 @@ def memory_case(case: str, tokens: int) -> dict:
 
 def memory_case_on_device(case: str, tokens: int, device: torch.device, dtype: torch.dtype, batch: int) -> dict:
     """``memory_case`` on an accelerator, in this process: the allocator's own peak statistics."""
-    gen = torch.Generator().manual_seed(1)
+    gen = torch.Generator(device).manual_seed(1)
     with torch.inference_mode():
         free_memory(device)
         base = torch.cuda.memory_allocated(device)
@@ -228,14 +230,17 @@ def measure_memory(tokens: int, device: torch.device = CPU, dtype: torch.dtype =
 
 def measure_layer_speed(tokens: int, steps: int, repeats: int, device: torch.device = CPU,
                         dtype: torch.dtype = torch.float32, batch: int = B, storages: list[str] = STORAGES) -> dict:
-    gen = torch.Generator().manual_seed(2)
+    gen = torch.Generator(device).manual_seed(2)
     times: dict[str, list[float]] = {s: [] for s in storages + ["sdpa"]}
-    q = torch.randn(batch, HKV, HQ // HKV, D, generator=gen).to(device, dtype)
-    k = torch.randn(batch, HKV, tokens, D, generator=gen).to(device, dtype)
-    v = torch.randn(batch, HKV, tokens, D, generator=gen).to(device, dtype)
+    q = torch.randn(batch, HKV, HQ // HKV, D, generator=gen, device=device, dtype=dtype)
+    k = torch.randn(batch, HKV, tokens, D, generator=gen, device=device, dtype=dtype)
+    v = torch.randn(batch, HKV, tokens, D, generator=gen, device=device, dtype=dtype)
     with torch.inference_mode():
         for r in range(repeats):
-            caches = {s: layer(s, tokens, dtype, device, batch) for s in storages}
+            caches = {}
+            for s in storages:
+                caches[s] = layer(s, tokens, dtype, device, batch)
+                log(f"layer speed: repeat {r + 1}/{repeats}: {s} holds {tokens} tokens a row")
             for s in storages:
                 decode_step(*caches[s], gen)  # untimed: first-call effects (a Triton kernel compiles)
             F.scaled_dot_product_attention(q, k, v)
