@@ -19,6 +19,11 @@ Policies get the options their paper sets at the kept count (``budget_options``)
 A policy that scores the context by reconstructing it (kvzip) compresses the first chunk through
 ``kvcache.kvzip``'s pass (the whole chunk in one pass, repeated after KVzip's prompt), then takes
 the rest and decodes greedily, as ``generate`` does.
+
+Decoding is greedy, as ``generate``'s, and stops early in one case only: under a metric that more
+text cannot lower (``MONOTONE``), once the prediction scores 100, the score the whole generation
+would get. ``run_cells`` runs the cells that share their samples sample by sample, so that each
+sample's first chunk is prefilled once for every policy that computes it alike (shared.py).
 """
 
 from __future__ import annotations
@@ -27,17 +32,18 @@ import hashlib
 import json
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Callable, Sequence
 
 import torch
 
 from ..cache.registry import budget_options, make_cache, policy_class
-from ..generate import generate
 from ..kvzip import generate as generate_after_reconstruction
 from ..kvzip import repeat_ids
 from . import dataset as ds
 from . import ruler
 from .sample import Sample, chat_parts, encode
 from .scoring import score
+from .shared import SharedPrefill
 
 PROTOCOLS = ("query_agnostic", "query_aware")
 # (passkey: the grid of kvcache/evaluate.py, whose cells eval/passkey.py runs.)
@@ -139,21 +145,73 @@ def make_cell_cache(model, policy: str, ratio: float, first: int, total: int):
     return make_cache(model, policy, cache_length=kept, **options)
 
 
+# Metrics under which a longer prediction never scores less (a reference found stays found), so
+# that generation can stop once the prediction scores 100: the rest could not change the score.
+MONOTONE = ("string_match_all", "string_match_part")
+
+
+def saturated(tokenizer, sample: Sample, tokens: list[int]) -> bool:
+    """Whether the prediction so far, ``tokens``, already scores 100 under a metric that more
+    text cannot lower (``MONOTONE``). Its text is then a prefix of any longer prediction's
+    (byte-level decoding; not while it ends inside a character, decoded as U+FFFD)."""
+    if sample.metric not in MONOTONE:
+        return False
+    text = tokenizer.decode(tokens)
+    return not text.endswith("\ufffd") and score(sample.metric, text, sample.answers) == 100.0
+
+
+def stop_ids(model) -> set[int]:
+    """The model's eos ids, at which ``generate`` stops by default."""
+    eos = model.config.eos_token_id
+    return set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+
+
+@torch.inference_mode()
+def answer(model, cache, logits: torch.Tensor, rest: list[int], max_new_tokens: int,
+           finished: Callable[[list[int]], bool] = lambda tokens: False) -> list[int]:
+    """Greedy tokens after a first chunk held by ``cache``, whose last token gave ``logits``
+    (1, vocab): ``rest`` (the question and answer prefix; may be empty) in one call, then one
+    token at a time as ``generate`` does greedily, up to ``max_new_tokens``, the model's eos
+    (kept) or ``finished(tokens so far)``."""
+    device = model.embed_tokens.weight.device
+    if rest:
+        logits = model(torch.tensor([rest], device=device), cache, last_only=True)[:, 0]
+    stops = stop_ids(model)
+    out: list[int] = []
+    for i in range(max_new_tokens):
+        token = logits.argmax(-1)  # (1,)
+        out.append(int(token))
+        if out[-1] in stops or finished(out) or i == max_new_tokens - 1:
+            break
+        logits = model.decode(token[:, None], cache)
+    return out
+
+
 @torch.inference_mode()
 def run_sample(model, tokenizer, sample: Sample, policy: str, ratio: float, protocol: str,
-               chat: bool = False) -> dict:
+               chat: bool = False, shared: SharedPrefill | None = None) -> dict:
+    """One sample through a fresh cache of ``policy`` at ``ratio``. ``shared``: take the first
+    chunk's prefill from there when the policy computes it as dense does (shared.py); the
+    outcome is the same either way."""
     enc = encode(tokenizer, sample, chat)
     first = len(enc.context) + (len(enc.question) if protocol == "query_aware" else 0)
     total = len(enc) + sample.max_new_tokens
+    ids = enc.ids
     cache = make_cell_cache(model, policy, ratio, first, total)
     if ratio > 0 and reconstructs(policy):
-        ids = enc.ids
         closing = chat_parts(tokenizer)[1] if chat else "\n"
         new = generate_after_reconstruction(
             model, cache, ids[:first], ids[first:] or None, repeat=repeat_ids(tokenizer, closing),
             max_new_tokens=sample.max_new_tokens, chunk=None)[0]
     else:
-        new = generate(model, enc.ids, max_new_tokens=sample.max_new_tokens, cache=cache, prefill_chunk=first)
+        if shared is None:
+            device = model.embed_tokens.weight.device
+            logits = model(torch.tensor([ids[:first]], device=device), cache, last_only=True)[:, 0]
+        else:
+            cache, logits = shared.prefill(model, cache, ids[:first], f"{policy} {ratio:g}",
+                                           fresh=lambda: make_cell_cache(model, policy, ratio, first, total))
+        new = answer(model, cache, logits, ids[first:], sample.max_new_tokens,
+                     finished=lambda tokens: saturated(tokenizer, sample, tokens))
     prediction = tokenizer.decode(new)
     return {"index": sample.index, "tokens": len(enc), "compressed": first, "generated": len(new),
             "prediction": prediction, "answers": list(sample.answers), "metric": sample.metric,
@@ -162,17 +220,41 @@ def run_sample(model, tokenizer, sample: Sample, policy: str, ratio: float, prot
 
 def run_cell(model, tokenizer, cell: Cell, bench: Bench) -> dict:
     """The cell's result: its spec, the mean score in [0, 100], every sample's outcome, seconds."""
+    return run_cells(model, tokenizer, [cell], bench)[0]
+
+
+def sample_group(cell: Cell) -> tuple:
+    """What decides a cell's samples: cells alike in it run the same prompts (``run_cells``)."""
+    return (cell.task, cell.length, cell.protocol, cell.samples, cell.seed)
+
+
+def run_cells(model, tokenizer, cells: Sequence[Cell], bench: Bench) -> list[dict]:
+    """The results of ``cells``, which must share their samples (``sample_group``), as
+    ``run_cell`` gives them one by one: the samples are built once and run one after another
+    through every cell, so that each sample's first chunk is prefilled once for all the
+    policies that compute it alike (shared.py). A cell's seconds are its own runs'; the shared
+    prefills are counted in the cell that first asked for each."""
     if bench.benchmark == "passkey":
         raise ValueError("a passkey cell is run by kvcache.eval.passkey.Runner, not run_cell")
-    start = time.perf_counter()
-    skip = ruler.skipped(cell.task, ruler.Source(qa=ds.qa_source(bench.dataset) if bench.dataset else ())) \
+    if len({sample_group(c) for c in cells}) > 1:
+        raise ValueError("run_cells runs cells with the same samples (task, length, protocol, samples, seed)")
+    skip = ruler.skipped(cells[0].task, ruler.Source(qa=ds.qa_source(bench.dataset) if bench.dataset else ())) \
         if bench.benchmark == "ruler" else None
     if skip is not None:
-        return {"cell": asdict(cell), "bench": asdict(bench), "skipped": skip, "score": None, "samples": []}
-    outcomes = [run_sample(model, tokenizer, s, cell.policy, cell.ratio, cell.protocol, bench.chat)
-                for s in cell_samples(tokenizer, cell, bench)]
-    if not outcomes:
-        raise ValueError(f"no samples for task {cell.task!r} in {bench.dataset}")
-    return {"cell": asdict(cell), "bench": asdict(bench), "skipped": None,
-            "score": sum(o["score"] for o in outcomes) / len(outcomes), "samples": outcomes,
-            "seconds": time.perf_counter() - start}
+        return [{"cell": asdict(c), "bench": asdict(bench), "skipped": skip, "score": None, "samples": []}
+                for c in cells]
+    start = time.perf_counter()
+    samples = cell_samples(tokenizer, cells[0], bench)
+    if not samples:
+        raise ValueError(f"no samples for task {cells[0].task!r} in {bench.dataset}")
+    seconds = [(time.perf_counter() - start) / len(cells)] * len(cells)
+    outcomes: list[list[dict]] = [[] for _ in cells]
+    shared = SharedPrefill() if len(cells) > 1 else None
+    for sample in samples:
+        for i, c in enumerate(cells):
+            start = time.perf_counter()
+            outcomes[i].append(run_sample(model, tokenizer, sample, c.policy, c.ratio, c.protocol, bench.chat, shared))
+            seconds[i] += time.perf_counter() - start
+    return [{"cell": asdict(c), "bench": asdict(bench), "skipped": None,
+             "score": sum(o["score"] for o in found) / len(found), "samples": found, "seconds": s}
+            for c, found, s in zip(cells, outcomes, seconds)]

@@ -5,7 +5,9 @@ and write each result the moment it finishes.
     pending(cells, ...)     the cells with no result file yet
     run(...)                runs the pending cells with ``run_cell`` (or any function with its
                             signature: the passkey grid's ``passkey.Runner``), a progress bar
-                            over cells with the time left
+                            over cells with the time left; with ``run_cell``, the cells that
+                            share their samples run together (``run_cells``: one prefill of
+                            each sample's context for the policies that compute it alike)
     load(out, ...)          the results of the given cells, in their order
 
 Results live in ``OUT/cells/<cell key>.json``; the key (cell.py) hashes every setting the result
@@ -24,7 +26,7 @@ from typing import Callable, Sequence
 
 from tqdm import tqdm
 
-from .cell import PROTOCOLS, Bench, Cell, keeps_all, run_cell
+from .cell import PROTOCOLS, Bench, Cell, keeps_all, run_cell, run_cells, sample_group
 
 CELLS = "cells"
 
@@ -86,13 +88,25 @@ def run(model, tokenizer, cells: Sequence[Cell], bench: Bench, out: Path, runner
     bar = tqdm(total=len(cells), initial=len(cells) - len(todo), desc="eval", unit="cell", disable=not progress,
                dynamic_ncols=True)
     try:
-        for cell in todo:
-            bar.set_postfix_str(cell.label())
-            write_atomic(result_path(out, cell, bench), runner(model, tokenizer, cell, bench))
-            bar.update()
+        for group in batches(todo) if runner is run_cell else [[cell] for cell in todo]:
+            bar.set_postfix_str(group[0].label() + (f" (+{len(group) - 1} sharing its samples)" if len(group) > 1 else ""))
+            results = run_cells(model, tokenizer, group, bench) if runner is run_cell \
+                else [runner(model, tokenizer, group[0], bench)]
+            for cell, result in zip(group, results):
+                write_atomic(result_path(out, cell, bench), result)
+                bar.update()
     finally:
         bar.close()
     return load(out, cells, bench)
+
+
+def batches(cells: Sequence[Cell]) -> list[list[Cell]]:
+    """``cells`` grouped by their samples (``sample_group``), each group in the order of its
+    first cell and its cells in their order."""
+    groups: dict[tuple, list[Cell]] = {}
+    for cell in cells:
+        groups.setdefault(sample_group(cell), []).append(cell)
+    return list(groups.values())
 
 
 def load(out: Path, cells: Sequence[Cell], bench: Bench) -> list[dict]:
