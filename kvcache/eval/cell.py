@@ -194,6 +194,7 @@ def run_sample(model, tokenizer, sample: Sample, policy: str, ratio: float, prot
     chunk's prefill from there when the policy computes it as dense does (shared.py); the
     outcome is the same either way."""
     enc = encode(tokenizer, sample, chat)
+    how = "own"  # how the first chunk was prefilled: by this cell, or replayed from a shared prefill
     first = len(enc.context) + (len(enc.question) if protocol == "query_aware" else 0)
     total = len(enc) + sample.max_new_tokens
     ids = enc.ids
@@ -208,14 +209,16 @@ def run_sample(model, tokenizer, sample: Sample, policy: str, ratio: float, prot
             device = model.embed_tokens.weight.device
             logits = model(torch.tensor([ids[:first]], device=device), cache, last_only=True)[:, 0]
         else:
+            replays = shared.replays
             cache, logits = shared.prefill(model, cache, ids[:first], f"{policy} {ratio:g}",
                                            fresh=lambda: make_cell_cache(model, policy, ratio, first, total))
+            how = "shared" if shared.replays > replays else "own"
         new = answer(model, cache, logits, ids[first:], sample.max_new_tokens,
                      finished=lambda tokens: saturated(tokenizer, sample, tokens))
     prediction = tokenizer.decode(new)
     return {"index": sample.index, "tokens": len(enc), "compressed": first, "generated": len(new),
             "prediction": prediction, "answers": list(sample.answers), "metric": sample.metric,
-            "score": score(sample.metric, prediction, sample.answers), "info": sample.info}
+            "score": score(sample.metric, prediction, sample.answers), "prefill": how, "info": sample.info}
 
 
 def run_cell(model, tokenizer, cell: Cell, bench: Bench) -> dict:

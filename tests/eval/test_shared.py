@@ -90,6 +90,9 @@ def test_cells_run_together_give_the_results_of_cells_run_alone(tiny, tokenizer,
         alone = run_cell(tiny, tokenizer, cell, BENCH)
         assert result["cell"] == alone["cell"] and result["score"] == alone["score"]
         assert [s["prediction"] for s in result["samples"]] == [s["prediction"] for s in alone["samples"]]
+        assert {s["prefill"] for s in alone["samples"]} == {"own"}
+    # The sharing cells replay one recording of each sample's chunk; h2o prefills its own.
+    assert [{s["prefill"] for s in r["samples"]} for r in together] == [{"shared"}] * 3 + [{"own"}]
 
 
 def test_run_cells_rejects_cells_with_other_samples(tiny, tokenizer):
