@@ -3,8 +3,9 @@
 * ``customize_spec`` attaches the checked kvcache configuration to each layer's KV cache spec
   (so the scheduler uses ``KVCacheBlockManager`` for it) and refuses what the plugin does not
   support, at engine start;
-* the metadata builder hands the stock kernel, for every request past its prompt, a block table
-  of the kept blocks only (in order) and a sequence length shortened by the freed blocks. Freed
+* the metadata builder hands the stock kernel, for every request that has evicted, prompt
+  chunks included, a block table of the blocks its queries read only (in order) and a sequence
+  length shortened by the freed blocks (several sequences where they read different blocks). Freed
   block ids stay in the worker's table and may already hold another request's tokens: with
   their columns dropped the kernel never reads them. Queries keep their true positions
   (``num_computed_tokens`` is the count of tokens seen, and RoPE was applied with it); within
@@ -31,7 +32,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec
 from .config import ROTARY, ConfigError, PluginConfig, parse
 from .state import BATCH, ENGINE
 from .rule import request_rule
-from .scoring import Work, after_step, needed
+from .scoring import Work, after_step, needed, parts
 from .spec import KVCacheAttentionSpec
 
 
@@ -123,6 +124,7 @@ class KVCacheCPUBackend(CPUAttentionBackend):
         if vllm_config is not None:
             ENGINE.config = configured(vllm_config)
             ENGINE.inv_freq = rotary_frequencies(vllm_config)
+            ENGINE.in_flight_tokens = vllm_config.max_in_flight_tokens
             ENGINE.known = True
         return KVCacheCPUImpl
 
@@ -135,24 +137,11 @@ class KVCacheCPUBackend(CPUAttentionBackend):
         if type(spec) is not FullAttentionSpec or spec.sliding_window is not None or spec.attention_chunk_size:
             raise ConfigError(f"kvcache vLLM plugin: layers of kind {type(spec).__name__} (sliding window "
                               f"{spec.sliding_window}) are not supported; full attention only")
-        return KVCacheAttentionSpec.of(spec, config)
+        return KVCacheAttentionSpec.of(spec, config, ENGINE.in_flight_tokens)
 
     @staticmethod
     def get_builder_cls() -> type[CPUAttentionMetadataBuilder]:
         return KVCacheMetadataBuilder
-
-
-def split(work: Work) -> list[Work]:
-    """``work`` as scored, without the parts that have nothing to do: the prompt's tokens, then
-    the generated ones (a recompute chunk that reads every block may hold both; the prompt is
-    scored as one call, what follows token by token)."""
-    prompt = work.row.prompt
-    parts = [work]
-    if work.seen < prompt < work.total:
-        middle = work.q_start + prompt - work.seen
-        parts = [dataclasses.replace(work, q_end=middle, total=prompt),
-                 dataclasses.replace(work, q_start=middle, seen=prompt)]
-    return [w for w in parts if needed(w.rule, w.seen, w.total, prompt)]
 
 
 class KVCacheMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -211,10 +200,10 @@ class KVCacheMetadataBuilder(CPUAttentionMetadataBuilder):
 
         A request's step becomes one or more sequences for the stock kernel (rule.segments),
         each with a block table of its kept columns only and a length shortened by the blocks
-        dropped; a prompt chunk or a decode step is one. The query tokens stay in order, so
-        every other per-token input of the step is unchanged. ``works`` receives each sequence
-        of a request under a scoring policy, and ``cuts`` the index of every such sequence
-        that evicts before the same request's next one."""
+        dropped. The query tokens stay in order, so every other per-token input of the step is
+        unchanged. ``works`` receives the calls (and parts of calls) of each request under a
+        scoring policy that have something to score, and ``cuts`` the index of every sequence
+        of such a request that evicts before the same request's next one."""
         N = self.block_size
         rows = BATCH.rows
         seq_lens = cm.seq_lens.cpu()
@@ -230,25 +219,32 @@ class KVCacheMetadataBuilder(CPUAttentionMetadataBuilder):
             if row is None and count and total:
                 raise RuntimeError(f"kvcache vLLM plugin: no request recorded at row {r} of the batch")
             rule = request_rule(self.engine, row.raw) if row is not None else None
-            # A one-token step with nothing to score (most decode steps) is left out at once.
-            scoring = rule is not None and rule.scoring and count > 0 and (
-                count > 1 or needed(rule, seen, total, row.prompt))
-            ids = table[r, : -(-total // N)].cpu() if scoring else None
-            if rule is None or total - 1 < row.prompt or total - 1 <= rule.cache_length:
-                if scoring:
-                    works += split(Work(row, rule, int(starts[r]), int(starts[r + 1]), seen, total, ids))
-                pieces.append((r, count, total, None))  # every query reads every block
-                continue
-            changed = True
-            segments = rule.segments(seen, total, row.prompt)
+            scoring = rule is not None and rule.scoring and count > 0
+            if scoring and seen < row.prompt and min(total, row.prompt) > (row.calls[-1] if row.calls else 0):
+                # A prompt chunk computed for the first time: a call of its own (rule.py).
+                row.calls.append(min(total, row.prompt))
+            if rule is None or total - 1 <= rule.cache_length:
+                segments = [(seen, total, None)]  # nothing evicted yet: every query reads every block
+            else:
+                changed = True
+                segments = rule.segments(seen, total, row.prompt, row.calls)
+            ids = None
             for k, (start, end, columns) in enumerate(segments):
                 if scoring:
                     first = int(starts[r]) + start - seen
-                    works += split(Work(row, rule, first, first + end - start, start, end, ids))
+                    for a, b, call in parts(rule, row, start, end):
+                        work = Work(row, rule, first + a - start, first + b - start, a, b, None, call)
+                        if needed(work):
+                            if ids is None:
+                                ids = table[r, : -(-total // N)].cpu()
+                            works.append(dataclasses.replace(work, table=ids))
                     if k + 1 < len(segments):
                         cuts.append(len(pieces))
-                # Every column is full but the last, which holds the segment's newest tokens.
-                pieces.append((r, end - start, (len(columns) - 1) * N + (end - (end - 1) // N * N), columns))
+                if columns is None:
+                    pieces.append((r, count, total, None))
+                else:
+                    # Every column is full but the last, which holds the segment's newest tokens.
+                    pieces.append((r, end - start, (len(columns) - 1) * N + (end - (end - 1) // N * N), columns))
         if not changed:
             return cm
         width = max(len(c) if c is not None else -(-length // N) for _, _, length, c in pieces)

@@ -6,7 +6,7 @@ of which request a row is; its logits processors are the interface through which
 plugin, on the worker, which request sits at which row of the batch (added, removed, moved).
 ``KVCacheRequests`` is such a processor (loaded by vLLM from the ``vllm.logits_processors``
 entry point that ``kvcache[vllm]`` installs): it leaves the logits alone and keeps, per row,
-the request's ``extra_args["kvcache"]`` and prompt length, which the metadata builder
+the request's ``extra_args["kvcache"]``, prompt length and prompt calls, which the metadata builder
 (backend.py) reads. Its ``validate_params`` checks a request's options when it arrives.
 """
 
@@ -18,7 +18,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 from vllm.v1.sample.logits_processor.builtin import process_dict_updates
 
 from .config import ROTARY, SUPPORTED, ConfigError, PluginConfig, decoded, for_request
-from .state import BATCH, ENGINE, Row
+from .state import BATCH, CALLS, ENGINE, Row
 
 # The budget a request's options are checked against where the engine's is unknown: room for any
 # option a real budget would allow (the policy's buffers are built, so not unbounded).
@@ -74,7 +74,8 @@ class KVCacheRequests(LogitsProcessor):
     def update_state(self, batch_update: BatchUpdate | None) -> None:
         process_dict_updates(
             self.rows, batch_update,
-            lambda params, prompt_ids, _output_ids: Row(options(params), len(prompt_ids) if prompt_ids is not None else 0))
+            lambda params, prompt_ids, _output_ids: Row(options(params), len(prompt_ids) if prompt_ids is not None else 0,
+                                                         calls=CALLS.of(params)))
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         return logits

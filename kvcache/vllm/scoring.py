@@ -11,18 +11,19 @@ block of that head's tokens (RoPE was applied at their true positions, so where 
 not matter to attention). Nothing is passed back to the scheduler, and the kernel and the
 attention metadata are window's.
 
-What is kept is kvcache's own rule (cache/blocks.py) over kvcache's own policy code: the
-policy's ``observe`` and ``priority`` get a ``Candidates`` of the tokens in the columns the step
-read (the prompt whole at its end; afterwards the kept blocks and the step's own), with the
-attention mass of the queries the policy listens to, as kvcache's model computes it. Prompt
-chunks add their listened queries' mass as they come, so a chunked prompt scores as the prompt
-in one call. Per request and layer the worker keeps the first position of the block in each
-live column (per head) and the policy's per-token statistics, bounded by the budget after the
-prompt.
+What is kept is kvcache's own rule (cache/blocks.py) over kvcache's own policy code: at the end
+of each call (a prompt chunk, or a generated token; rule.py) the policy's ``observe`` and
+``priority`` get a ``Candidates`` of the tokens in the columns the call read (the blocks kept
+before it and its own), with the attention mass of the queries the policy listens to, as
+kvcache's model computes it for that call. A call that vLLM computes in several steps (a prompt
+chunk recomputed after a preemption, in other chunks) keeps its listened queries until its last
+part. Per request and layer the worker keeps the first position of the block in each live column
+(per head) and the policy's per-token statistics, bounded by the budget.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 
 import torch
@@ -39,8 +40,9 @@ from .state import ENGINE, Row
 @dataclasses.dataclass(frozen=True)
 class Work:
     """One scoring request's part of a step: its row, rule, query rows ``[q_start, q_end)`` in
-    the step's query tensor, the tokens it had seen and has seen after the step, and its block
-    ids by column (CPU, the worker's table row)."""
+    the step's query tensor, the tokens it had seen and has seen after the part, its block ids by
+    column (CPU, the worker's table row), and ``call``: the prompt call ``(start, end)`` the part
+    belongs to, or None for generated tokens (each one a call)."""
 
     row: Row
     rule: BlockRule
@@ -49,6 +51,7 @@ class Work:
     seen: int
     total: int
     table: torch.Tensor
+    call: tuple[int, int] | None = None
 
 
 @dataclasses.dataclass
@@ -56,15 +59,14 @@ class LayerState:
     """A request's state in one layer. Columns from ``first`` on: ``base`` (Hp, W) long, the
     first position of the block each column holds per head (columns past ``first + W`` hold
     their own positions); ``stats`` (S, Hp, W, N) float32, the policy's per-token statistics.
-    While the prompt is computed, ``mass`` (Hkv, L) and ``seen`` (Hp, L) add up the attention of
-    its listened queries."""
+    ``pending``: the listened queries of a call computed so far in earlier steps, as
+    (queries (1, Hq, L, D), positions (L,), weights (L,))."""
 
     first: int = 0
     policy: object = None  # the request's own policy instance, for a policy with state (rule.stateful)
     base: torch.Tensor | None = None
     stats: torch.Tensor | None = None
-    mass: torch.Tensor | None = None
-    seen: torch.Tensor | None = None
+    pending: list = dataclasses.field(default_factory=list)
 
 
 class Values:
@@ -90,17 +92,38 @@ def step_of(start: int, end: int) -> Step:
                 start0=start, decode=T == 1)
 
 
-def needed(rule: BlockRule, seen: int, total: int, prompt: int) -> bool:
-    """Whether a scoring request's step [seen, total) has anything to do on the worker: a prompt
-    chunk whose queries the policy listens to, the end of the prompt, and later steps that evict
-    or that the policy observes (h2o and expected_attention observe every call). Most decode steps
-    of snapkv, tova, knorm and keydiff have nothing to do."""
-    policy = rule.policy
+def evicts(rule: BlockRule, start: int, end: int) -> bool:
+    """Whether the call [start, end) evicts: it read more than the rule keeps after it."""
+    return rule.kept_blocks(end) != rule.read_by(end - 1, start)
+
+
+def needed(work: Work) -> bool:
+    """Whether ``work`` has anything to do on the worker: a call that evicts (or a part of one),
+    and any call of a policy that observes every call (h2o's attention, expected_attention's
+    queries). Most decode steps of snapkv, tova, knorm and keydiff have nothing to do."""
+    policy = work.rule.policy
     if policy._observes and (policy.observe_every_step or not policy.needs_attention):
-        return True  # every call is observed (h2o's attention, expected_attention's queries)
-    if seen < prompt:
-        return total >= prompt or (policy.needs_attention and prompt > rule.cache_length)
-    return rule.kept_blocks(total) != rule.read_by(total - 1, prompt)
+        return True
+    if work.call is not None:
+        return evicts(work.rule, *work.call)
+    return evicts(work.rule, work.total - 1, work.total)
+
+
+def parts(rule: BlockRule, row: Row, seen: int, total: int) -> list[tuple[int, int, tuple[int, int] | None]]:
+    """[seen, total) cut into the parts of the calls it holds: ``(start, end, call)``, ``call``
+    the prompt call (start, end) or None for generated tokens (scored together, one by one)."""
+    P, calls = row.prompt, row.calls
+    out = []
+    t = seen
+    while t < total:
+        if t >= P:
+            out.append((t, total, None))
+            break
+        i = bisect.bisect_right(calls, t)
+        end = calls[i] if i < len(calls) else P
+        out.append((t, min(total, end), (rule.call_start(t, P, calls), end)))
+        t = min(total, end)
+    return out
 
 
 def after_step(layer_name: str, isa: str, query: torch.Tensor, kv_cache: torch.Tensor, works: list[Work]) -> None:
@@ -138,7 +161,7 @@ def _only_observes(work: Work) -> bool:
     rule, policy = work.rule, work.rule.policy
     if not (policy.observe_every_step and policy.needs_attention) or work.total - work.seen != 1:
         return False
-    return work.seen >= work.row.prompt and rule.kept_blocks(work.total) == rule.read_by(work.total - 1, work.row.prompt)
+    return work.call is None and not evicts(rule, work.total - 1, work.total)
 
 
 def _observe_decode(layer_name: str, works: list[Work], isa: str, query: torch.Tensor, kv_cache: torch.Tensor) -> None:
@@ -148,7 +171,7 @@ def _observe_decode(layer_name: str, works: list[Work], isa: str, query: torch.T
     policy, N = rule.policy, rule.block
     Hkv = kv_cache.shape[1]
     Hp = Hkv if policy.per_head else 1
-    columns = [list(rule.read_by(w.total - 1, w.row.prompt)) for w in works]
+    columns = [list(rule.read_by(w.total - 1, w.total - 1)) for w in works]
     K = max(len(c) for c in columns)
     states = [w.row.scores.setdefault(layer_name, LayerState()) for w in works]
     ids = torch.stack([w.table[c + [c[-1]] * (K - len(c))] for w, c in zip(works, columns)])  # (R, K)
@@ -181,69 +204,74 @@ def _observe_decode(layer_name: str, works: list[Work], isa: str, query: torch.T
 
 
 def _score(state: LayerState, work: Work, isa: str, query: torch.Tensor, kv_cache: torch.Tensor) -> None:
-    """One request's step in one layer (its queries (T, Hq, D)): add a prompt chunk's attention;
-    at the end of the prompt, and at every later step that evicts or that the policy observes,
-    run the policy over the blocks the step read; where it evicts, move the blocks kept into
-    window's columns and keep their positions and statistics."""
+    """One request's part of a call in one layer (its queries (T, Hq, D)): at the end of a call
+    that evicts or that the policy observes, run the policy over the blocks the call read; where
+    it evicts, move the blocks kept into window's columns and keep their positions and
+    statistics. A part that does not end its call keeps the queries the policy listens to."""
     rule = work.rule
     policy = state.policy or rule.policy
-    N, C, P = rule.block, rule.cache_length, work.row.prompt
+    N, C = rule.block, rule.cache_length
     seen, total = work.seen, work.total
     Hkv = kv_cache.shape[1]
     Hp = Hkv if policy.per_head else 1
+    q = _queries(query)  # (1, Hq, T, D)
     if policy._observes and not policy.needs_attention:
         # Statistics of the queries alone (expected_attention): every call adds its own, so the
-        # prompt's chunks and the tokens of a recompute add up as the calls they stand for.
-        policy.observe(Candidates(None, None, torch.full((1, Hp, 0), -1), {}, _queries(query), step_of(seen, total)))
-    if seen < P:
-        # A prompt chunk: its listened queries' attention, over the prompt so far, adds up.
-        if policy.needs_attention and (policy.observe_every_step or P > C):
-            _add_prompt_mass(state, policy, _queries(query), work, isa, kv_cache, Hp)
-        if total < P:
-            return
-        columns = list(range(-(-total // N)))
+        # parts of a call and the tokens of a recompute add up as the calls they stand for.
+        policy.observe(Candidates(None, None, torch.full((1, Hp, 0), -1), {}, q, step_of(seen, total)))
+    if work.call is not None:
+        # A prompt call [start, end): the blocks kept before it, then its own.
+        start, end = work.call
+        step = step_of(start, end)
+        columns = list(rule.read_by(end - 1, start))
+        evicting = evicts(rule, start, end)
     else:
-        columns = list(rule.read_by(total - 1, P))
-    after = list(rule.kept_blocks(total))
-    evicts = after != columns
-    observes = policy._observes and policy.needs_attention and (policy.observe_every_step or evicts)
-    if not (evicts or observes):
-        return  # most steps of a policy that scores only when it evicts
-    q = _queries(query)  # (1, Hq, T, D)
-    # The prompt scores as one call. After it, tokens were generated one per step, so a step of
-    # several (a recompute after a preemption, between two evictions) is scored as its tokens
-    # one by one: observed every step, each query's attention adds up; scored only when evicting,
-    # the newest query's alone.
-    step = step_of(0, total) if seen < P else step_of(total - 1, total)
+        # Generated tokens, each a call of its own. A step of several (a recompute after a
+        # preemption, between two evictions) is scored as its tokens one by one: observed every
+        # step, each query's attention adds up; scored only when evicting, the newest query's.
+        start, end = total - 1, total
+        step = step_of(start, end)
+        columns = list(rule.read_by(start, start))
+        evicting = evicts(rule, start, end)
+    observes = policy._observes and policy.needs_attention and (policy.observe_every_step or evicting)
+    if policy.needs_attention and (observes or evicting):
+        if work.call is not None:
+            weight = policy.query_weight(step)[0, seen - start: total - start]
+            first = seen
+        else:
+            first = seen if policy.observe_every_step else total - 1
+            weight = torch.cat([policy.query_weight(step_of(t, t + 1)) for t in range(first, total)], 1)[0]
+        listened = weight.nonzero().flatten()
+        heard = q[:, :, first - seen:][:, :, listened]
+        state.pending.append((heard, first + listened, weight[listened]))
+    if total < end:
+        return  # the call goes on in a later step
+    pending, state.pending = state.pending, []
+    if not (evicting or observes):
+        return  # most calls of a policy that scores only when it evicts
     base = _base(state, columns, Hp, N)  # (Hp, K)
     positions = base[:, :, None] + torch.arange(N)  # (Hp, K, N)
-    positions = torch.where(positions < total, positions, -1).reshape(1, Hp, -1)
+    positions = torch.where(positions < end, positions, -1).reshape(1, Hp, -1)
     keys = read(kv_cache, work.table[columns][None], isa).float()  # (1, Hkv, K N, D)
     values = Values(kv_cache, work.table[columns][None], isa)
     stats = {name: s.reshape(1, Hp, -1) for name, s in zip(policy.stat_names, _stats(state, policy, columns, Hp, N))}
     mass, seen_by = None, 1.0
-    if policy.needs_attention and (observes or evicts):
-        if step.fresh:
-            mass = _natural(state.mass, positions, Hkv)
-            seen_by = _natural(state.seen, positions, Hp)
-        else:
-            first = seen if policy.observe_every_step else total - 1
-            weight = torch.cat([policy.query_weight(step_of(t, t + 1)) for t in range(first, total)], 1)
-            _, mass, seen_by = attention.masked_with_weights(
-                q[:, :, first - seen:], keys, None, torch.arange(first, total)[None], positions, weight,
-                outputs=False)
-    q = q[:, :, -step.num_tokens:]
-    c = Candidates(keys, values, positions, stats, q, step, mass, seen_by)
+    if policy.needs_attention:
+        heard = torch.cat([h for h, _, _ in pending], 2)
+        q_pos = torch.cat([p for _, p, _ in pending])[None]
+        weight = torch.cat([w for _, _, w in pending])[None]
+        _, mass, seen_by = attention.masked_with_weights(heard, keys, None, q_pos, positions, weight, outputs=False)
+    c = Candidates(keys, values, positions, stats, q[:, :, -min(q.shape[2], end - start):], step, mass, seen_by)
     if observes and mass is not None:
         policy.observe(c)
-    state.mass = state.seen = None
-    if not evicts:
+    if not evicting:
         _remember(state, columns, base, stats, policy, Hp, N)
         return
+    after = list(rule.kept_blocks(end))
     priority = policy.priority(c).masked_fill(positions < 0, EMPTY)
-    priority, _ = keep_whole_blocks(priority, positions, N, total - 1, torch.tensor([C]))
+    priority, _ = keep_whole_blocks(priority, positions, N, end - 1, torch.tensor([C]))
     kept = (priority[0] == 0).view(Hp, len(columns), N).any(-1)  # (Hp, K) columns whose block stays
-    newest = columns.index((total - 1) // N)
+    newest = columns.index((end - 1) // N)
     targets = [i for i in after if i != columns[newest]]
     order = []  # per head: the candidate columns moved to ``targets``, oldest block first
     for h in range(Hp):
@@ -263,46 +291,6 @@ def _score(state: LayerState, work: Work, isa: str, query: torch.Tensor, kv_cach
 def _queries(query: torch.Tensor) -> torch.Tensor:
     """A request's queries (T, Hq, D) as kvcache's attention takes them: (1, Hq, T, D) float32."""
     return query.float().transpose(0, 1)[None]
-
-
-def _add_prompt_mass(state: LayerState, policy, q: torch.Tensor, work: Work, isa: str, kv_cache: torch.Tensor,
-                     Hp: int) -> None:
-    """Add to ``state.mass`` / ``state.seen`` the attention of the chunk's queries (q (1, Hq, T, D))
-    that the policy listens to when the prompt is one call, over the prompt's keys so far."""
-    P, seen, total, N = work.row.prompt, work.seen, work.total, work.rule.block
-    weight = policy.query_weight(step_of(0, P))[0]  # (P,) the prompt as one call
-    chunk = torch.zeros(total - seen)
-    inside = min(total, P) - seen
-    chunk[:inside] = weight[seen: seen + inside]
-    listened = chunk.nonzero().flatten()
-    if state.mass is None:
-        state.mass = torch.zeros(kv_cache.shape[1], 0)
-        state.seen = torch.zeros(Hp, 0)
-    grow = total - state.mass.shape[1]
-    if grow > 0:
-        state.mass = torch.cat((state.mass, state.mass.new_zeros(state.mass.shape[0], grow)), 1)
-        state.seen = torch.cat((state.seen, state.seen.new_zeros(Hp, grow)), 1)
-    if not listened.numel():
-        return
-    columns = list(range(-(-total // N)))
-    keys = read(kv_cache, work.table[columns][None], isa)[:, :, :total].float()
-    k_pos = torch.arange(total)[None, None].expand(1, Hp, total)
-    q_pos = (seen + listened)[None]
-    _, mass, seen_by = attention.masked_with_weights(q[:, :, listened], keys, None, q_pos, k_pos,
-                                                     chunk[listened][None], outputs=False)
-    state.mass[:, :total] += mass[0]
-    state.seen[:, :total] += seen_by[0]
-
-
-def _natural(acc: torch.Tensor | None, positions: torch.Tensor, H: int) -> torch.Tensor:
-    """Per-position sums ``acc`` (H, L) on the prompt's unmoved columns, whose slot i holds
-    position i (``positions`` (1, Hp, M)): (1, H, M), 0 where nothing was added."""
-    M = positions.shape[2]
-    out = torch.zeros(H, M)
-    if acc is not None:
-        n = min(M, acc.shape[1])
-        out[:, :n] = acc[:, :n]
-    return out[None]
 
 
 def _overlap(state: LayerState, columns: list[int], width: int) -> tuple[slice, slice]:

@@ -80,25 +80,37 @@ def test_a_scoring_policy_keeps_as_many_blocks_as_the_rule(llama, raw):
     {"policy": "window", "cache_length": 64},
     {"policy": "sink", "cache_length": 96, "sinks": 32},
     {"policy": "sink", "cache_length": 100, "sinks": 20},  # neither a multiple of the block
+    {"policy": "sink", "cache_length": 100, "sinks": 40},  # sinks over more than one block
 ])
 def test_rule_keeps_the_blocks_kvcache_keeps(llama, raw):
-    """A prompt in one call, then one token per call through kvcache's cache with block=BLOCK:
-    after each call the rule, given the token count alone, names the blocks the cache holds."""
+    """One token per call through kvcache's cache with block=BLOCK, from the first: after each
+    call the rule, given the token count alone, names the blocks the cache holds."""
     config = parse(raw, BLOCK)
     rule = BlockRule(config)
     options = dict(config.options)
     cache = kvcache.make_cache(llama, config.policy, cache_length=config.cache_length, block=BLOCK, **options)
     ids = torch.randint(3, 100, (1, 300), generator=torch.Generator().manual_seed(0)).to(llama.embed_tokens.weight.device)
-    prompt = 130
-    llama(ids[:, :prompt], cache)
-    for n in range(prompt, 300):
-        if n > prompt:
-            llama(ids[:, n - 1 : n], cache)
+    for n in range(1, 300):
+        llama(ids[:, n - 1 : n], cache)
         layer = cache.layers[0]
         pos = layer.storage.pos[0, 0, : layer.spec.cache_length]
         held = sorted({int(p) // BLOCK for p in pos[pos >= 0]})
         assert list(rule.kept_blocks(n)) == held, f"after {n} tokens"
     assert rule.kept_blocks(50) == (0, 1)  # within the budget nothing is evicted
+
+
+@pytest.mark.parametrize("raw", [
+    {"policy": "window", "cache_length": 70},
+    {"policy": "sink", "cache_length": 512, "sinks": 64},
+    {"policy": "sink", "cache_length": 100, "sinks": 40},
+    {"policy": "h2o", "cache_length": 96},
+])
+def test_the_rule_far_from_the_sinks_is_the_rule_moved(raw):
+    """Past a few budgets the rule is computed once per offset within a block and moved: the
+    same blocks as kvcache's rule applied at every count."""
+    rule, direct = BlockRule(parse(raw, BLOCK)), BlockRule(parse(raw, BLOCK))
+    direct._far = 1 << 30  # never moved: kvcache's rule at every count
+    assert all(rule.kept_blocks(n) == direct.kept_blocks(n) for n in range(1, 3000))
 
 
 def test_vllm_versions_outside_the_range_are_refused():
@@ -145,21 +157,44 @@ def test_bad_request_options_say_what_is_wrong(raw, message):
         for_request(parse(ENGINE, BLOCK), raw)
 
 
-@pytest.mark.parametrize("raw", [ENGINE, {"policy": "window", "cache_length": 64}])
-@pytest.mark.parametrize("seen, total, prompt", [(0, 64, 200), (200, 201, 150), (64, 300, 70), (100, 260, 130)])
-def test_segments_give_each_query_what_it_reads(raw, seen, total, prompt):
+@pytest.mark.parametrize("raw", [ENGINE, {"policy": "window", "cache_length": 64}, {"policy": "h2o", "cache_length": 96}])
+@pytest.mark.parametrize("seen, total, prompt, calls", [
+    (0, 64, 200, [64]), (200, 201, 150, [64, 150]), (64, 300, 70, [64, 70]), (100, 260, 130, [100, 130]),
+    # A recompute after a preemption: the prompt's calls ended at 64, 100 and 170 when first computed.
+    (0, 230, 170, [64, 100, 170]), (80, 120, 170, [64, 100, 170]),
+])
+def test_segments_give_each_query_what_it_reads(raw, seen, total, prompt, calls):
     """A step's queries, split into segments: each segment is contiguous, and within it query t
     reads the segment's kept columns before it plus the blocks from the segment's start to its own,
-    which is what ``read_by`` says it read when first computed (prompt: everything; generated:
-    kvcache's kept blocks, tested above)."""
+    which is what ``read_by`` says it read in its call: under window and sink every token is a
+    call; under a scoring policy each prompt chunk (``calls``), then every generated token."""
     rule = BlockRule(parse(raw, BLOCK))
-    segments = rule.segments(seen, total, prompt)
+    segments = rule.segments(seen, total, prompt, calls)
     assert [s for s, _, _ in segments] == [seen] + [e for _, e, _ in segments[:-1]]
     assert segments[-1][1] == total
     for start, end, columns in segments:
         prefix = tuple(b for b in columns if b < start // BLOCK)
         assert columns == prefix + tuple(range(start // BLOCK, (end - 1) // BLOCK + 1))
         for t in range(start, end):
-            assert prefix + tuple(range(start // BLOCK, t // BLOCK + 1)) == rule.read_by(t, prompt)
-    if total - seen == 1 or total <= prompt:
+            assert prefix + tuple(range(start // BLOCK, t // BLOCK + 1)) == rule.read_by(t, rule.call_start(t, prompt, calls))
+    if total - seen == 1 or total <= rule.cache_length:
         assert len(segments) == 1
+    if rule.scoring and total <= prompt and seen in (0, *calls) and total in calls:
+        assert len(segments) == 1  # a prompt chunk computed the first time is one call
+    if not rule.scoring and total - seen > BLOCK and total > rule.cache_length + BLOCK:
+        assert len(segments) > 1  # window and sink drop blocks within a prompt chunk
+
+
+def test_calls_of_a_scoring_prompt():
+    """Under a scoring policy a prompt token's call begins where the last prompt chunk before it
+    ended; generated tokens, and every token under window and sink, are calls of their own."""
+    h2o = BlockRule(parse({"policy": "h2o", "cache_length": 96}, BLOCK))
+    window = BlockRule(parse({"policy": "window", "cache_length": 96}, BLOCK))
+    calls = [64, 100, 170]
+    assert [h2o.call_start(t, 170, calls) for t in (0, 63, 64, 99, 100, 169, 170, 200)] == [0, 0, 64, 64, 100, 100, 170, 200]
+    assert [window.call_start(t, 170, calls) for t in (0, 63, 64, 99)] == [0, 63, 64, 99]
+    # The call [100, 170) reads what was kept of 100 tokens (3 blocks of 96 tokens at most,
+    # the fourth one being filled), then its own blocks.
+    assert h2o.read_by(150, 100) == (1, 2, 3, 4)
+    assert h2o.kept_before(150, 170, calls) == (1, 2, 3, 4)
+    assert window.kept_before(150, 170, calls) == (2, 3, 4)

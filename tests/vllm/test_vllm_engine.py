@@ -12,6 +12,7 @@ Skipped where vLLM is not installed (.ci/run runs these in an environment of the
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 
@@ -63,22 +64,42 @@ def close(llm: LLM) -> None:
     gc.collect()
 
 
+@dataclasses.dataclass
+class Run:
+    """What ``run_stepwise`` saw: each request's tokens, where vLLM's chunks of its prompt ended
+    (the first time it computed them), preemptions, and the most blocks a request and the pool
+    held between steps, while prompts were computed and afterwards."""
+
+    tokens: list[list[int]]
+    chunks: list[list[int]]
+    preemptions: int
+    peak_request: dict[str, int]
+    peak_pool: int
+
+
 def run_stepwise(llm: LLM, prompt_ids: list[list[int]], options: list[dict | None] | None = None,
-                 new_tokens: int = NEW_TOKENS,
-                 arrivals: list[tuple[int, int]] | None = None) -> tuple[list[list[int]], int]:
+                 new_tokens: int = NEW_TOKENS, arrivals: list[tuple[int, int]] | None = None) -> Run:
     """Greedy tokens of each prompt (with its own ``extra_args["kvcache"]`` where ``options``
     gives one), step by step; request i is added before step ``arrivals[i][0]`` with priority
-    ``arrivals[i][1]`` (all at once, priority 0, without ``arrivals``). Between steps, every
-    request past its prompt must hold at most its budget of blocks plus the one being filled.
-    Returns the tokens and how many times requests were preempted."""
+    ``arrivals[i][1]`` (all at once, priority 0, without ``arrivals``).
+
+    After every step, prompt chunks included, each request holds at most its budget of blocks
+    (``ceil(cache_length / 32)``), one being filled and the blocks its step touched, and the pool
+    no more than the sum of those bounds over the running requests. (A step that recomputes a
+    preempted request's tokens holds what it wrote, and under a scoring policy the blocks of the
+    prompt chunk it replays, until its next step frees what the rule drops.)"""
     llm_engine = llm.llm_engine
     scheduler = llm_engine.engine_core.engine_core.scheduler
     manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
+    pool = manager.block_pool
     arrivals = arrivals or [(0, 0)] * len(prompt_ids)
     tokens: dict[str, list[int]] = {}
-    decoding_seen = 0
+    chunks: dict[str, list[int]] = {str(i): [] for i in range(len(prompt_ids))}
     preemptions: dict[str, int] = {}
     computed: dict[str, int] = {}  # tokens each request had computed after the previous step
+    peak = {"prefill": 0, "decode": 0}
+    peak_pool = 0
+    bound_of: dict[str, int] = {}  # each request's bound after its latest step
     step = 0
     while len(tokens) < len(prompt_ids):
         for i, ids in enumerate(prompt_ids):
@@ -93,19 +114,39 @@ def run_stepwise(llm: LLM, prompt_ids: list[list[int]], options: list[dict | Non
                 tokens[out.request_id] = list(out.outputs[0].token_ids)
         for request in scheduler.requests.values():
             preemptions[request.request_id] = request.num_preemptions
+        bounds = 0
         for request in scheduler.running:
             n, rid = request.num_computed_tokens, request.request_id
-            if n > request.num_prompt_tokens:
-                decoding_seen += 1
-                # A decode step adds one token. A step that recomputed generated tokens after a
-                # preemption holds the blocks of all it computed (as a prompt chunk does) until
-                # the request's next step frees what its rule drops.
-                extra = 0 if n - computed.get(rid, 0) == 1 else -(-(n - computed.get(rid, 0)) // BLOCK)
-                live, budget = manager.live_blocks(rid), manager.budget(rid)
-                assert live <= budget + 1 + extra, f"request with {n} tokens holds {live} blocks"
+            before = computed.get(rid, 0)
+            if n < before:
+                before = 0  # preempted since its previous step: computed again from the start
             computed[rid] = n
-    assert decoding_seen
-    return [tokens[str(i)] for i in range(len(prompt_ids))], sum(preemptions.values())
+            if n == before:
+                bounds += bound_of.get(rid, 0)  # not scheduled in this step: holds what it held
+                continue
+            # vLLM's own id is the one the request was added with, plus a suffix.
+            first = chunks[rid.rsplit("-", 1)[0]]
+            if n <= request.num_prompt_tokens and n > (first[-1] if first else 0):
+                first.append(n)
+            live, budget = manager.live_blocks(rid), manager.budget(rid)
+            touched = (n - 1) // BLOCK - before // BLOCK + 1
+            bound = budget + 1 + touched
+            if request.num_preemptions:
+                # A recompute: what it replays of a scoring prompt chunk stays until the chunk ends.
+                calls = manager.calls[rid]
+                start = manager.rules[rid].call_start(before, request.num_prompt_tokens, calls)
+                bound += before // BLOCK - start // BLOCK
+            assert live <= bound, f"request {rid} holds {live} blocks after a step [{before}, {n}) (bound {bound})"
+            bounds += bound
+            bound_of[rid] = bound
+            phase = "prefill" if before < request.num_prompt_tokens else "decode"
+            peak[phase] = max(peak[phase], live)
+        used = pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()  # the null block is never free
+        assert used <= bounds or not scheduler.running, f"the pool holds {used} blocks, the running requests' bounds {bounds}"
+        peak_pool = max(peak_pool, used)
+    assert peak["decode"]
+    return Run([tokens[str(i)] for i in range(len(prompt_ids))], [chunks[str(i)] for i in range(len(prompt_ids))],
+               sum(preemptions.values()), peak, peak_pool)
 
 
 @pytest.mark.parametrize("policy", sorted(POLICIES))
@@ -114,13 +155,49 @@ def test_tokens_equal_kvcache_and_blocks_stay_within_budget(checkpoint, policy):
     prompt_ids = prompts()
     llm = engine(checkpoint, config)
     try:
-        got, _ = run_stepwise(llm, prompt_ids)
+        run = run_stepwise(llm, prompt_ids)
     finally:
         close(llm)
-    want = kvcache_tokens(checkpoint, config, prompt_ids, NEW_TOKENS)
-    assert got == want
+    want = kvcache_tokens(checkpoint, config, prompt_ids, NEW_TOKENS, run.chunks)
+    assert run.tokens == want
+    # The longest prompt was computed in several chunks and freed blocks before its end.
+    assert len(run.chunks[-1]) > 1
+    assert run.peak_request["prefill"] < -(-max(PROMPT_LENGTHS) // BLOCK)
     # The policy changed what the longest prompts generate: the comparison is not the dense one.
     assert want != kvcache_tokens(checkpoint, None, prompt_ids, NEW_TOKENS)
+
+
+# KV memory for 12 blocks (11 usable: vLLM keeps one as its null block), and a prompt four times
+# as long as the 12 blocks hold.
+POOL_BLOCKS = 12
+LONG_PROMPT = 4 * POOL_BLOCKS * BLOCK
+
+
+@pytest.mark.parametrize("policy", ["window", "sink"])
+def test_a_prompt_four_times_the_pool_is_served(tmp_path, policy):
+    """A 1,536-token prompt through KV memory for 12 blocks (384 tokens), prefilled in chunks of
+    64: under window and sink the engine starts (its start-up check counts a request's bound,
+    not max_model_len), admits the request (its admission check too), frees blocks after every
+    chunk, and generates kvcache's own tokens. Plain vLLM with the same memory refuses to start:
+    one request of max_model_len does not fit."""
+    config = POLICIES[policy]
+    path = build("llama", tmp_path / "llama")
+    prompt_ids = [torch.randint(3, VOCAB, (LONG_PROMPT,), generator=torch.Generator().manual_seed(3)).tolist()]
+    settings = dict(max_model_len=LONG_PROMPT + 32, kv_cache_memory_bytes=POOL_BLOCKS * BLOCK_BYTES, max_num_seqs=1)
+    with pytest.raises(ValueError, match=r"To serve at least one request with the model's max seq len \(1568\)"):
+        engine(path, None, **settings)
+    llm = engine(path, config, **settings)
+    try:
+        pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool.num_gpu_blocks
+        run = run_stepwise(llm, prompt_ids, new_tokens=32)
+    finally:
+        close(llm)
+    assert pool == POOL_BLOCKS
+    budget = -(-config["cache_length"] // BLOCK)
+    # At most the budget, the block being filled and the two blocks of a 64-token chunk.
+    assert run.peak_request["prefill"] <= budget + 1 + 2 < POOL_BLOCKS
+    assert run.peak_pool <= budget + 3
+    assert run.tokens == kvcache_tokens(path, config, prompt_ids, 32)
 
 
 # Per-request options over the engine's sink configuration, and the configuration each amounts to.
@@ -143,7 +220,7 @@ def test_per_request_options_equal_kvcache_with_those_options(tmp_path):
     prompt_ids = prompts()
     llm = engine(path, ENGINE_CONFIG)
     try:
-        got, _ = run_stepwise(llm, prompt_ids, [options for options, _ in REQUEST_OPTIONS])
+        run = run_stepwise(llm, prompt_ids, [options for options, _ in REQUEST_OPTIONS])
         for options, message in [
             ({"sink": 4}, "policy 'sink' has no option 'sink'; valid options: sinks, positions"),
             ({"policy": "window", "cache_length": 16}, "block=32 does not fit the window policy's smallest budget"),
@@ -154,12 +231,14 @@ def test_per_request_options_equal_kvcache_with_those_options(tmp_path):
             params.extra_args = {"kvcache": options}
             with pytest.raises(VLLMValidationError, match=r"SamplingParams.extra_args\['kvcache'\]: .*" + message):
                 llm.generate([TokensPrompt(prompt_token_ids=prompt_ids[0])], params, use_tqdm=False)
-        again, _ = run_stepwise(llm, prompt_ids[1:3], [options for options, _ in REQUEST_OPTIONS[1:3]])
+        again = run_stepwise(llm, prompt_ids[1:3], [options for options, _ in REQUEST_OPTIONS[1:3]])
     finally:
         close(llm)
-    want = [kvcache_tokens(path, config, [ids], NEW_TOKENS)[0] for ids, (_, config) in zip(prompt_ids, REQUEST_OPTIONS)]
-    assert got == want
-    assert again == want[1:3]
+    want = [kvcache_tokens(path, config, [ids], NEW_TOKENS, [chunks])[0]
+            for ids, (_, config), chunks in zip(prompt_ids, REQUEST_OPTIONS, run.chunks)]
+    assert run.tokens == want
+    assert again.tokens == [kvcache_tokens(path, config, [ids], NEW_TOKENS, [chunks])[0]
+                            for ids, (_, config), chunks in zip(prompt_ids[1:3], REQUEST_OPTIONS[1:3], again.chunks)]
     # The options changed what the requests generate: not the engine's configuration for all.
     assert want != kvcache_tokens(path, ENGINE_CONFIG, prompt_ids, NEW_TOKENS)
 
@@ -184,12 +263,12 @@ def test_a_preempted_request_resumes_with_the_same_tokens(tmp_path, policy, bloc
     llm = engine(path, config, max_model_len=256, kv_cache_memory_bytes=blocks * BLOCK_BYTES, max_num_seqs=6,
                  scheduling_policy="priority")
     try:
-        got, preempted = run_stepwise(llm, prompt_ids, new_tokens=100, arrivals=arrivals)
+        run = run_stepwise(llm, prompt_ids, new_tokens=100, arrivals=arrivals)
     finally:
         close(llm)
-    assert preempted > 0
-    want = kvcache_tokens(path, config, prompt_ids, 100)
-    assert got == want
+    assert run.preemptions > 0
+    want = kvcache_tokens(path, config, prompt_ids, 100, run.chunks)
+    assert run.tokens == want
     assert want != kvcache_tokens(path, None, prompt_ids, 100)
 
 
@@ -211,11 +290,11 @@ def test_the_bundled_model_on_real_text_equals_kvcache(policy):
     config = {"policy": policy, "cache_length": 256}
     llm = engine(path, config, max_model_len=2048, max_num_batched_tokens=256)
     try:
-        got, _ = run_stepwise(llm, prompt_ids, new_tokens=48)
+        run = run_stepwise(llm, prompt_ids, new_tokens=48)
     finally:
         close(llm)
-    want = kvcache_tokens(path, config, prompt_ids, 48)
-    assert got == want
+    want = kvcache_tokens(path, config, prompt_ids, 48, run.chunks)
+    assert run.tokens == want
     assert want != kvcache_tokens(path, None, prompt_ids, 48)
 
 

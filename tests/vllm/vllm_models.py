@@ -71,13 +71,25 @@ def prompts(seed: int = 0) -> list[list[int]]:
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
 
 
-def kvcache_tokens(path: Path, config: dict | None, prompt_ids: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """Greedy tokens of kvcache's own model for each prompt alone: the prompt in one call, then
-    one token per call, through ``config``'s policy with block=BLOCK (a dense cache for None)."""
+def prompt_calls(config: dict | None, length: int, chunks: list[int] | None) -> list[int]:
+    """Where kvcache's own model ends its calls over a prompt of ``length`` tokens to mean what
+    the plugin means in vLLM (kvcache.vllm.rule): window and sink, one token per call; a scoring
+    policy, the chunks vLLM computed (``chunks``: where they ended; None, the prompt in one
+    call); no policy (dense), the prompt in one call."""
+    if config is not None and config["policy"] in ("window", "sink"):
+        return list(range(1, length + 1))
+    return list(chunks) if chunks else [length]
+
+
+def kvcache_tokens(path: Path, config: dict | None, prompt_ids: list[list[int]], new_tokens: int,
+                   chunks: list[list[int]] | None = None) -> list[list[int]]:
+    """Greedy tokens of kvcache's own model for each prompt alone, through ``config``'s policy
+    with block=BLOCK (a dense cache for None): the prompt in the calls ``prompt_calls`` gives
+    (``chunks[i]``: where vLLM's chunks of prompt i ended), then one token per call."""
     model = kvcache.load(path)
     out = []
     with torch.no_grad():
-        for ids in prompt_ids:
+        for i, ids in enumerate(prompt_ids):
             if config is None:
                 cache = kvcache.make_cache(model, "dense", cache_length=len(ids) + new_tokens)
             else:
@@ -86,7 +98,10 @@ def kvcache_tokens(path: Path, config: dict | None, prompt_ids: list[list[int]],
                     options.setdefault("positions", "absolute")
                 cache = kvcache.make_cache(model, config["policy"], cache_length=config["cache_length"],
                                            block=BLOCK, **options)
-            logits = model(torch.tensor([ids]), cache)
+            start = 0
+            for end in prompt_calls(config, len(ids), chunks[i] if chunks else None):
+                logits = model(torch.tensor([ids[start:end]]), cache)
+                start = end
             tokens = []
             for _ in range(new_tokens):
                 tokens.append(int(logits[0, -1].argmax()))
