@@ -99,6 +99,31 @@ def pytest_report_header(config):
     return f"kvcache test device: {DEVICE} ({DEVICE_VARIABLE}); attention layout: {layout} ({LAYOUT_VARIABLE})"
 
 
+# ---- the order: the longest modules first ----------------------------------------------------------------
+
+# The modules with the longest tests or module fixtures (processes of their own, a Ray cluster, a
+# 135M-parameter model read twice, inductor compiles), run before all others, in this order.
+# Under pytest-xdist's worksteal scheduling (README's test command) a worker that runs dry takes
+# the last tests of another worker's queue: with the long ones first, a run ends on short tests
+# instead of one worker waiting for a long test that started last, and a long module runs from its
+# start on one worker, so its module fixtures are set up once.
+LONGEST_FIRST = ["eval/test_ray_sweep.py", "test_smollm2.py", "test_train_shard.py", "test_compile.py",
+                 "test_memory.py", "test_prefix_crash.py", "cache/test_state_machine.py", "cache/test_h2o.py"]
+
+
+def pytest_collection_modifyitems(config, items):
+    root = Path(__file__).parent
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+
+    def position(item) -> int:
+        try:
+            return rank.get(item.path.relative_to(root).as_posix(), len(rank))
+        except ValueError:  # a test outside this directory
+            return len(rank)
+
+    items.sort(key=position)  # stable: the order within a module, and among the rest, is kept
+
+
 # ---- CUDA's attention layout on the CPU ----------------------------------------------------------------
 
 LAYOUT_VARIABLE = "KVCACHE_TEST_LAYOUT"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -103,4 +104,11 @@ def failing_rank(rank: int, world: int, port: int, ckpt: str, mode: str) -> None
         ids = ids[:, :1]  # one token: nothing to predict
     if rank == 1 and mode == "vanish":
         os._exit(0)
-    kvcache.chunked_loss(sharded, ids, chunk=8).backward()
+    try:
+        kvcache.chunked_loss(sharded, ids, chunk=8).backward()
+    except Exception:
+        if rank == 0 and mode == "raise":
+            # Rank 1's own error ends the run; this rank's collective fails only because rank 1
+            # left. Exiting at once could let it be reported first on a busy machine.
+            time.sleep(20)
+        raise
