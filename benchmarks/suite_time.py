@@ -4,7 +4,7 @@
 kernel), with the load average sampled during the run so that a figure says what else was running.
 The tests are those of this checkout (it is put first on PYTHONPATH), whichever kvcache is installed.
 
-    python benchmarks/suite_time.py [--serial] [--repeats 1] [--out FILE]
+    python benchmarks/suite_time.py [--serial] [--repeats 1] [--out FILE] [-- MORE PYTEST ARGUMENTS]
 
 Prints one JSON object; pytest's own output goes to stderr. The CPU time is that of pytest and
 every process it waited for (its workers and theirs).
@@ -69,13 +69,14 @@ def main() -> None:
     parser.add_argument("--serial", action="store_true", help="also time the one-process command")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--out")
+    parser.add_argument("pytest_args", nargs="*", help="more pytest arguments after --, such as --durations=40")
     args = parser.parse_args()
     kinds = ["xdist", "serial"] if args.serial else ["xdist"]
     report = {"machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                           "load_average_before": load_average()},
               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                        text=True).stdout.strip() or None,
-              "runs": [run(COMMANDS[kind]) for _ in range(args.repeats) for kind in kinds]}
+              "runs": [run(COMMANDS[kind] + args.pytest_args) for _ in range(args.repeats) for kind in kinds]}
     text = json.dumps(report, indent=1)
     if args.out:
         Path(args.out).write_text(text + "\n")
