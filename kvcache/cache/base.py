@@ -198,6 +198,13 @@ class LayerCache(ABC):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
         """Store the chunk's keys and values and return attention outputs (see module docstring)."""
 
+    def absorb(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> None:
+        """Take a chunk as ``attend`` does, for a caller that has its attention outputs already
+        (a prefill shared by several caches, kvcache/eval/shared.py): the cache ends as
+        ``attend`` leaves it. This default runs ``attend`` and drops the outputs; a cache may
+        skip computing them."""
+        self.attend(q, k, v, step)
+
     def check(self, step: Step) -> None:
         """Raise ``CapacityError`` if ``step`` cannot be accepted. Must not change any state."""
 

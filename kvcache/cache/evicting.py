@@ -119,14 +119,15 @@ class EvictingCache(LayerCache):
         the newer token."""
 
     # ----- shared machinery ------------------------------------------------------------------
-    def _attend(self, q, k, v, q_pos, k_pos, step: Step, q_sink=None, observe: bool = True):
-        """Attention over candidates; returns out and, if the policy observes, mass and seen."""
+    def _attend(self, q, k, v, q_pos, k_pos, step: Step, q_sink=None, observe: bool = True, outputs: bool = True):
+        """Attention over candidates; returns out (None without ``outputs``) and, if the policy
+        observes, mass and seen."""
         rule = dict(window=self._lookback(), sinks=self.sinks(), limit=self.spec.sliding_window)
         # A prompt alone in an empty cache (the candidates are the chunk itself) takes renumbered
         # sinks on the fused path too (see ``_outputs``).
         alone = step.fresh and step.uniform and k.shape[2] == q.shape[2]
         if not (observe and self.needs_attention) and (q_sink is None or alone):
-            return self._outputs(q, k, v, q_pos, k_pos, step, rule, q_sink), None, None
+            return (self._outputs(q, k, v, q_pos, k_pos, step, rule, q_sink) if outputs else None), None, None
         weight = self.query_weight(step)  # (B, T)
         if q_sink is None:
             # A policy that listens to a few queries only (TOVA: the newest; SnapKV: its window)
@@ -134,11 +135,11 @@ class EvictingCache(LayerCache):
             # the explicit softmax runs over the listened queries alone.
             listened = weight.ne(0).any(0).nonzero().squeeze(1)  # (L,) indices into the chunk
             if 2 * listened.numel() <= q.shape[2]:
-                out = self._outputs(q, k, v, q_pos, k_pos, step, rule)
+                out = self._outputs(q, k, v, q_pos, k_pos, step, rule) if outputs else None
                 _, mass, seen = attention.masked_with_weights(
                     q[:, :, listened], k, v, q_pos[:, listened], k_pos, weight[:, listened], outputs=False, **rule)
                 return out, mass, seen
-        return attention.masked_with_weights(q, k, v, q_pos, k_pos, weight, q_sink=q_sink, **rule)
+        return attention.masked_with_weights(q, k, v, q_pos, k_pos, weight, q_sink=q_sink, outputs=outputs, **rule)
 
     def _outputs(self, q, k, v, q_pos, k_pos, step: Step, rule: dict, q_sink=None) -> torch.Tensor:
         """Attention outputs without weights: a prompt alone in an empty cache is causal
@@ -161,6 +162,17 @@ class EvictingCache(LayerCache):
         if bool((self.held + step.n_tokens <= self.spec.cache_length).all()):
             return self._append(q, k, v, step)
         return self._chunk(q, k, v, step)
+
+    def absorb(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> None:
+        """``attend`` without the outputs where the chunk is ranked (the chunk path: what the
+        policy scores and keeps is computed, the attention outputs are not); the other paths,
+        and a subclass that attends its own way, run ``attend``."""
+        ranked = not (step.decode and self.per_token) and not bool(
+            (self.held + step.n_tokens <= self.spec.cache_length).all())
+        if ranked and type(self).attend is EvictingCache.attend:
+            self._chunk(q, k, v, step, outputs=False)
+        else:
+            self.attend(q, k, v, step)
 
     def _append(self, q, k, v, step: Step, count: bool = True) -> torch.Tensor:
         """Every row has room for its chunk: write it after the held slots, attend in place.
@@ -254,7 +266,7 @@ class EvictingCache(LayerCache):
         if self.per_token:
             self.held = (self.held + 1).clamp(max=self.spec.cache_length)
 
-    def _chunk(self, q, k, v, step: Step) -> torch.Tensor:
+    def _chunk(self, q, k, v, step: Step, outputs: bool = True) -> torch.Tensor | None:
         C = self.spec.cache_length
         store = self.storage
         Hp = store.pos.shape[1]
@@ -274,7 +286,7 @@ class EvictingCache(LayerCache):
         # slots' codes as they are and stores the chunk's as ``roundtrip`` computed them.
         c = Candidates(cand_k, cand_v, cand_pos, stats, q, step)
         out, mass, seen = self._attend(q, c.keys, c.values, step.positions, cand_pos, step,
-                                       self.sink_queries(q, step))
+                                       self.sink_queries(q, step), outputs=outputs)
         self._observe(c, mass, seen)
         self._keep(c, stored)
         return out

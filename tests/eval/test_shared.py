@@ -54,8 +54,15 @@ def test_a_replayed_chunk_leaves_the_cache_logits_and_answer_of_the_own_prefill(
     assert replay(tiny, replayed, recorded)
     assert_same_state(replayed, mine)
     assert torch.equal(recorded.logits, logits)
-    assert answer(tiny, replayed, recorded.logits, rest, new) == answer(tiny, mine, logits, rest, new)
+    # A configuration already checked: the chunk absorbed without its outputs, the same state.
+    absorbed = make_cell_cache(tiny, policy, ratio, len(ids), total)
+    assert replay(tiny, absorbed, recorded, check=False)
+    assert_same_state(absorbed, mine)
+    tokens = answer(tiny, mine, logits, rest, new)
+    assert answer(tiny, replayed, recorded.logits, rest, new) == tokens
+    assert answer(tiny, absorbed, recorded.logits, rest, new) == tokens
     assert_same_state(replayed, mine)  # and after the question and the answer
+    assert_same_state(absorbed, mine)
 
 
 @pytest.mark.parametrize("policy, ratio", NOT_SHARING)
@@ -66,7 +73,7 @@ def test_a_policy_that_attends_otherwise_fails_the_replay_and_prefills_on_its_ow
     cache, logits = shared.prefill(tiny, make_cell_cache(tiny, policy, ratio, len(ids), total), ids, policy,
                                    fresh=lambda: make_cell_cache(tiny, policy, ratio, len(ids), total))
     mine, own = own_prefill(tiny, policy, ratio, chunk)
-    assert policy in shared.unshared and shared.replays == 0
+    assert policy in shared.unshared and shared.replays == 0 and not shared.checked
     assert torch.equal(logits, own)
     assert_same_state(cache, mine)
 
