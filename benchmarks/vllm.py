@@ -7,17 +7,25 @@ temporary directory) serves
 tokens, in two engines built one after the other in this process, identical but for the plugin:
 the same KV cache memory (``--kv-tokens`` tokens of it, as bytes), block size, batching limits
 and chunked prefill. With the plugin (``--policy``, ``--cache-length``) a request frees its evicted
-blocks once its prompt is done, so more requests run at a time in the same memory.
+blocks after every step, prompt chunks included, so more requests run at a time in the same
+memory, and a prompt longer than the whole memory can be served.
 
 Reported per engine (its fastest of ``--repeats`` runs; the engines take turns): wall time from the first request added to the last one finished, output
 tokens/s and total (prompt + output) tokens/s, the most requests running at once and the mean
-over steps, preemptions (requests vLLM had to evict and recompute for lack of blocks), and the
-most KV blocks any request held after its prompt. The ratio of the two throughputs is the figure
-of merit. Both engines run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that the
-scheduler can be read between steps.
+over steps, preemptions (requests vLLM had to evict and recompute for lack of blocks), the most
+KV blocks any request held after its prompt, and the peak blocks held by one request and by the
+whole pool, after steps that computed prompt tokens ("prefill") and steps that only generated
+("decode"). The ratio of the two throughputs is the figure of merit. Both engines run in this
+process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that the scheduler can be read between steps.
+
+Then, per engine, the longest prompt one request is served with the same KV memory
+(``longest_prompt``; ``--no-longest`` skips it): each engine is asked for the model's whole
+``--positions``; plain vLLM's start-up check refuses what its memory cannot hold and names the
+longest model length it can, with which a prompt is then served; with the plugin the check counts
+a request's bound, so the model's positions are the limit.
 
 Every run's wall time and the machine's load average between runs are listed too: on a small
-shared machine other processes change the times by a factor of two from one run to the next.
+shared machine other processes change the times by a factor of two to ten from one run to the next.
 The defaults finish in a few minutes on a 2-core CPU: 16 requests of 4k tokens, cache_length 512,
 KV memory for three dense requests. The issue's setting (16 x 8k, cache_length 1024) is
 ``--prompt 8192 --cache-length 1024 --kv-tokens 25000`` and takes proportionally longer here.
@@ -25,7 +33,7 @@ KV memory for three dense requests. The issue's setting (16 x 8k, cache_length 1
 Usage (in an environment with kvcache[vllm]):
     python benchmarks/vllm.py [--requests 16] [--prompt 4096] [--new-tokens 128] [--cache-length 512]
                               [--policy sink[,window,snapkv,h2o,...]] [--sinks 64] [--options JSON]
-                              [--kv-tokens 12800] [--out FILE]
+                              [--kv-tokens 12800] [--positions 65536] [--no-longest] [--out FILE]
 
 With several policies, each runs as an engine of its own, in turn with plain vLLM, and its
 median decode step (steps in which every running request decoded and none was admitted, at the
@@ -43,6 +51,7 @@ import gc
 import json
 import os
 import platform
+import re
 import sys
 import tempfile
 import time
@@ -62,12 +71,13 @@ from kvcache.vllm.config import SUPPORTED  # noqa: E402
 BLOCK = 32
 
 
-def build_model(path: Path, vocab: int, hidden: int = 256, layers: int = 2, heads: int = 4, kv_heads: int = 2) -> dict:
+def build_model(path: Path, vocab: int, hidden: int = 256, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                positions: int = 16384) -> dict:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=16384,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=positions,
                       rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
     head_dim = cfg.hidden_size // cfg.num_attention_heads
@@ -77,19 +87,33 @@ def build_model(path: Path, vocab: int, hidden: int = 256, layers: int = 2, head
             "head_dim": head_dim, "vocab": vocab, "kv_bytes_per_token": kv_bytes_per_token}
 
 
-def run(path: Path, args, kv_bytes: int, kvcache_config: dict | None, prompts: list[list[int]]) -> dict:
-    from vllm import LLM, SamplingParams
+def engine_for(path: Path, args, kv_bytes: int, kvcache_config: dict | None, max_model_len: int, max_num_seqs: int):
+    from vllm import LLM
+
+    return LLM(str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=max_model_len,
+               block_size=BLOCK, enable_prefix_caching=False, max_num_seqs=max_num_seqs,
+               max_num_batched_tokens=args.batched_tokens, kv_cache_memory_bytes=kv_bytes, enforce_eager=True,
+               seed=0, additional_config={} if kvcache_config is None else {"kvcache": kvcache_config})
+
+
+def run(path: Path, args, kv_bytes: int, kvcache_config: dict | None, prompts: list[list[int]], llm=None) -> dict:
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(str(path), skip_tokenizer_init=True, dtype="float32", max_model_len=args.prompt + args.new_tokens,
-              block_size=BLOCK, enable_prefix_caching=False, max_num_seqs=args.requests,
-              max_num_batched_tokens=args.batched_tokens, kv_cache_memory_bytes=kv_bytes, enforce_eager=True,
-              seed=0, additional_config={} if kvcache_config is None else {"kvcache": kvcache_config})
+    if llm is None:
+        llm = engine_for(path, args, kv_bytes, kvcache_config, args.prompt + args.new_tokens, args.requests)
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
     manager = scheduler.kv_cache_manager.coordinator.single_type_managers[0]
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
     running, steps, most_blocks, preempted = [], 0, 0, set()
+    # The most blocks one request held after a step that computed part of its prompt ("prefill")
+    # or a generated token ("decode"), and the most the pool held after a step in which some
+    # request prefilled, or in which all decoded.
+    peak_request = {"prefill": 0, "decode": 0}
+    peak_pool = {"prefill": 0, "decode": 0}
+    pool = manager.block_pool
+    computed: dict[str, int] = {}
     decode_times: dict[int, list[float]] = {}  # by batch width: steps that only decoded
     outputs = {}
     start = time.perf_counter()
@@ -107,14 +131,28 @@ def run(path: Path, args, kv_bytes: int, kvcache_config: dict | None, prompts: l
             decode_times.setdefault(len(before), []).append(time.perf_counter() - t0)
         steps += 1
         running.append(len(scheduler.running))
+        prefilled = False
         for request in scheduler.running:
+            rid, n = request.request_id, request.num_computed_tokens
             if request.num_preemptions:
-                preempted.add(request.request_id)
-            if request.num_computed_tokens > request.num_prompt_tokens:
-                most_blocks = max(most_blocks, sum(not b.is_null for b in manager.req_to_blocks[request.request_id]))
+                preempted.add(rid)
+            live = sum(not b.is_null for b in manager.req_to_blocks[rid])
+            before = computed.get(rid, 0)
+            computed[rid] = n
+            if n != before:  # scheduled in this step
+                phase = "prefill" if min(before, n) < request.num_prompt_tokens else "decode"
+                prefilled |= phase == "prefill"
+                peak_request[phase] = max(peak_request[phase], live)
+            if n > request.num_prompt_tokens:
+                most_blocks = max(most_blocks, live)
+        if scheduler.running:
+            used = pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()  # the null block is never free
+            phase = "prefill" if prefilled else "decode"
+            peak_pool[phase] = max(peak_pool[phase], used)
     wall = time.perf_counter() - start
+    pool_blocks = pool.num_gpu_blocks - 1
     engine.engine_core.shutdown()
-    del llm, engine, scheduler, manager
+    del llm, engine, scheduler, manager, pool
     gc.collect()
     n_out = sum(len(t) for t in outputs.values())
     n_in = sum(len(p) for p in prompts)
@@ -129,9 +167,39 @@ def run(path: Path, args, kv_bytes: int, kvcache_config: dict | None, prompts: l
         "mean_running": round(sum(running) / len(running), 2),
         "preempted_requests": len(preempted),
         "max_blocks_per_request_after_prompt": most_blocks,
+        "peak_blocks_per_request": peak_request,
+        "peak_blocks_in_pool": peak_pool,
+        "pool_blocks": pool_blocks,
         # Median of the steps that only decoded, at the batch width most of them had.
         **decode_figures(decode_times),
     }
+
+
+def longest_prompt(path: Path, args, kv_bytes: int, kvcache_config: dict | None, positions: int) -> dict:
+    """The longest prompt (plus ``--new-tokens``) one request can be served with this KV memory:
+    asked for the model's whole ``positions``, vLLM's start-up check either passes (then a
+    prompt that long is served) or refuses, naming the longest model length the memory holds
+    (then a prompt of that length is served instead, and one token more would be refused)."""
+    limited_by, refused = "the model's max_position_embeddings", None
+    try:
+        llm = engine_for(path, args, kv_bytes, kvcache_config, positions, 1)
+        max_len = positions
+    except ValueError as e:
+        found = re.search(r"estimated maximum model length is (\d+)", str(e))
+        if kvcache_config is not None or found is None:
+            raise
+        refused = str(e).split(". ")[0]
+        max_len = int(found.group(1))
+        limited_by = "KV memory (vLLM's start-up check)"
+        llm = engine_for(path, args, kv_bytes, kvcache_config, max_len, 1)
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, 512, (max_len - args.new_tokens,), generator=g).tolist()
+    figures = run(path, args, kv_bytes, kvcache_config, [prompt], llm=llm)
+    return {"prompt_tokens": len(prompt), "max_model_len": max_len, "limited_by": limited_by,
+            "served": figures["finished"] == 1 and figures["output_tokens"] == args.new_tokens,
+            "refused_at_start": refused, "wall_s": figures["wall_s"],
+            "peak_blocks_per_request": figures["peak_blocks_per_request"],
+            "peak_blocks_in_pool": figures["peak_blocks_in_pool"]}
 
 
 def decode_figures(times: dict[int, list[float]]) -> dict:
@@ -162,6 +230,10 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4, help="query heads (head size: hidden / heads, at least 32 on CPU)")
     p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--positions", type=int, default=65536,
+                   help="the random Llama's max_position_embeddings: the longest model length asked for")
+    p.add_argument("--no-longest", action="store_true",
+                   help="skip the longest prompt each engine serves with the same KV memory")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
 
@@ -181,7 +253,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         model = build_model(Path(tmp), vocab=512, hidden=args.hidden, layers=args.layers, heads=args.heads,
-                            kv_heads=args.kv_heads)
+                            kv_heads=args.kv_heads, positions=args.positions)
         prompts = [torch.randint(3, 512, (args.prompt,), generator=g).tolist() for _ in range(args.requests)]
         kv_bytes = args.kv_tokens * model["kv_bytes_per_token"]
         engines = {"plain_vllm": None, **configs}
@@ -192,6 +264,12 @@ def main() -> None:
             for name, config in engines.items():
                 print(f"{name}, run {r + 1} of {args.repeats} ...", file=sys.stderr)
                 runs[name].append(run(Path(tmp), args, kv_bytes, config, prompts))
+                load.append(os.getloadavg()[0])
+        longest = {}
+        if not args.no_longest:
+            for name, config in engines.items():
+                print(f"{name}, longest prompt ...", file=sys.stderr)
+                longest[name] = longest_prompt(Path(tmp), args, kv_bytes, config, args.positions)
                 load.append(os.getloadavg()[0])
     best = {name: min(results, key=lambda x: x["wall_s"]) for name, results in runs.items()}
     plain = best["plain_vllm"]
@@ -217,6 +295,13 @@ def main() -> None:
             if best[policy]["decode_step_ms"] and best[first]["decode_step_ms"]
             and best[policy]["decode_width"] == best[first]["decode_width"] else None
             for policy in configs},
+        # Peak blocks per request and in the pool, after steps that computed prompt tokens
+        # (prefill) and steps that only generated (decode), every engine of this run.
+        "peak_blocks": {name: {"per_request": best[name]["peak_blocks_per_request"],
+                               "pool": best[name]["peak_blocks_in_pool"], "pool_size": best[name]["pool_blocks"]}
+                        for name in engines},
+        # The longest prompt one request is served with the same KV memory, per engine.
+        "longest_prompt": longest,
         "wall_s_of_every_run": {name: [x["wall_s"] for x in results] for name, results in runs.items()},
         "load_average_1min": [round(x, 2) for x in load],
     }
