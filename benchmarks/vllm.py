@@ -38,8 +38,8 @@ Usage (in an environment with kvcache[vllm]):
 With several policies, each runs as an engine of its own, in turn with plain vLLM, and its
 median decode step (steps in which every running request decoded and none was admitted, at the
 batch width most of them had) is compared with the first policy's: the cost of scoring on the
-worker (h2o observes every step; snapkv, knorm, keydiff and tova only at the end of the prompt
-and when a block is evicted).
+worker (h2o observes every step; snapkv, knorm, keydiff and tova only at the end of a prompt
+chunk that evicts and when a block is evicted).
 
 Prints one JSON object on stdout.
 """

@@ -3,8 +3,11 @@
 One engine per (model, policy), in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), fp32, vLLM
 blocks of 32 tokens, prompts of several lengths batched together and prefilled in chunks of at
 most 64 tokens:
-  * greedy tokens equal kvcache's own model with the same policy and block=32, prompt by prompt;
-  * every request past its prompt holds at most its budget of blocks, plus one being filled;
+  * greedy tokens equal kvcache's own model with the same policy and block=32, prompt by prompt,
+    fed the calls the plugin means (window and sink: one token per call; scoring policies: the
+    prompt chunks vLLM computed, then one token per call);
+  * after every step, prompt chunks included, a request holds at most its budget of blocks, one
+    being filled and the blocks its step touched; a prompt four times the KV pool is served;
   * an engine without a kvcache configuration is plain vLLM (kvcache's dense tokens);
   * a bad configuration, or prefix caching, fails at engine start with a message saying why.
 Skipped where vLLM is not installed (.ci/run runs these in an environment of their own).
