@@ -23,6 +23,7 @@ import torch
 import kvcache
 from kvcache.evaluate import reference_logprobs, streaming
 from kvcache.tasks import DEFAULT_TEXTS, read_texts
+from emit import emit
 
 
 def log(*args) -> None:
@@ -61,11 +62,7 @@ def main() -> None:
             log(json.dumps(row))
     report["worst"] = {s: min((r for r in report["results"] if r["storage"] == s), key=lambda r: r["top1_agreement"])
                        for s in args.storages}
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(report, args.out, indent=1)
 
 
 if __name__ == "__main__":

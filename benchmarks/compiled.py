@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,7 @@ import time
 
 import kvcache
 from kvcache.tasks import DEFAULT_TEXTS
+from emit import emit, machine
 
 
 def log(*args) -> None:
@@ -120,15 +120,10 @@ def main() -> None:
                     "runs": {"eager": eager, "cold": cold, "warm": warm},
                 })
     report = {
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                    "load_average_before": load_before},
+        "machine": machine(load_before),
         "threads": args.threads, "repeats": args.repeats, "results": results,
     }
-    text = json.dumps(report, indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    print(text)
+    emit(report, args.out, indent=1)
 
 
 if __name__ == "__main__":

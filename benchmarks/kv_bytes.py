@@ -20,12 +20,12 @@ at 4096 slots) for each head_dim and K/V head count.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
 from kvcache.cache.base import CacheSpec
 from kvcache.cache.registry import budget_options, layer_cache, policy_class
+from emit import emit
 
 STORAGES = ["full", "int8", "int4", "int2", "kivi4", "kivi2", "token4", "token2"]
 POLICIES = ["dense", "window", "h2o"]
@@ -74,11 +74,7 @@ def main() -> None:
                                                                "storage_vs_payload", "int64_positions_vs_payload")}
                                           | {"floor": FLOORS[storage], "met": now / payload <= FLOORS[storage]})
     report = {"torch": torch.__version__, "dtype": "float16", "rows": rows, "floors": floors}
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(report, args.out, indent=1)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ the groups it finished. Prints one JSON object.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -41,6 +40,7 @@ import torch
 import kvcache
 from decode import DTYPES, MODELS, allow_recompiles, build_models, free_memory, parse_device, sync  # benchmarks/decode.py
 from kvcache.compile import CompiledDecode
+from emit import emit
 
 POLICIES = {
     "dense": {},
@@ -245,11 +245,7 @@ def main() -> None:
     p = parser()
     args = p.parse_args()
     report = run(args, p.error)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(report, args.out, indent=2)
 
 
 if __name__ == "__main__":

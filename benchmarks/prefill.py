@@ -39,6 +39,7 @@ from torch.utils._pytree import tree_flatten
 
 import kvcache
 import rss  # benchmarks/rss.py: the script's own folder is on the path
+from emit import emit
 
 STORAGES = ["full", "int8", "int4", "int2", "token4"]
 MODELS = {"bundled": 4096, "llama64": 32768, "llama128": 32768, "llama256": 32768}  # the longest prompt each takes
@@ -188,11 +189,7 @@ def main() -> None:
                                 row[k.replace("_mib", "_above_dense_mib")] = round(r[k] - dense[k], 1)
                         report["results"].append(row)
                         log(json.dumps(row))
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(report, args.out, indent=2)
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ from decode import DTYPES, MODELS, build_models, free_memory, parse_device, peak
 from kvcache import attention
 from kvcache.cache import CacheSpec, KVCache
 from kvcache.cache.policies.dense import DenseCache
+from emit import emit
 
 CPU = torch.device("cpu")
 B, HQ, HKV, D = 1, 32, 8, 128
@@ -408,11 +409,7 @@ def main() -> None:
         print(json.dumps(memory_case(args.memory_case, args.memory_tokens)))
         return
     report = run(args, p.error)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(report, args.out, indent=2)
 
 
 if __name__ == "__main__":

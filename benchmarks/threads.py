@@ -21,11 +21,11 @@ import argparse
 import json
 import multiprocessing
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
+from emit import emit, machine
 
 PROMPT = "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want of a wife."
 
@@ -110,15 +110,10 @@ def main() -> None:
                 p.terminate()
                 p.join()
     report = {
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                    "load_average_before": load_before},
+        "machine": machine(load_before),
         "max_new_tokens": args.max_new_tokens, "repeats": args.repeats, "results": results,
     }
-    text = json.dumps(report, indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    print(text)
+    emit(report, args.out, indent=1)
 
 
 if __name__ == "__main__":
