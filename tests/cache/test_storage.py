@@ -413,9 +413,10 @@ def test_quantized_logits_are_close_to_full_precision(llama, storage):
 # and the logits move by what that one code carries. Measured under one-ulp nudges of every weight
 # (``nudged``, 16 draws; the CPU's stand-in for CUDA's rounding): int8 5.4e-3 (an fp16 scale of a
 # group moved), int4/8 2.0e-5, int2/8 2.03e-2 (the figure an H100 gave for this test), token4
-# 8.6e-5. Bounds: about 2x those, and far under the quantization error itself (LOGIT_BOUND), which
-# is what a chunking that read the wrong bits would add.
-FLIP_ATOL = {"int8": 0.01, "int4/8": 0.01, "int4/4": 0.01, "int2/8": 0.05, "token4": 0.01}
+# 8.6e-5. Bounds: about 2x the flips seen at int8 and int2; 2e-3 where no draw moved the logits
+# by more than 1e-4 (int4, token4). All far under the quantization error itself (LOGIT_BOUND),
+# which is what a chunking that read the wrong bits would add.
+FLIP_ATOL = {"int8": 0.01, "int4/8": 2e-3, "int4/4": 2e-3, "int2/8": 0.05, "token4": 2e-3}
 
 
 def nudged(model: kvcache.Transformer, seed: int) -> kvcache.Transformer:
