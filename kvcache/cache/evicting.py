@@ -190,7 +190,7 @@ class EvictingCache(LayerCache):
             store.write(slots, k, v, step.positions)
             n, B, Hp, _ = self._stat_buffer.shape
             self._stat_buffer.scatter_(3, slots[None, :, None].expand(n, B, Hp, -1), 0.0)
-            store.pos[:, :, self.spec.cache_length] = -1
+            store.empty_scratch()
         after = held + step.n_tokens
         if count:
             self.held = after

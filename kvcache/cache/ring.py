@@ -64,7 +64,7 @@ class RingCache(EvictingCache):
         # Tokens that do not survive go to the scratch slot, so one scatter writes the chunk.
         slots = torch.where(keep, self.slot(step.positions), C)
         self.storage.write(slots, new_k, new_v, step.positions)
-        self.storage.pos[:, :, C] = -1
+        self.storage.empty_scratch()
 
     def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
         # The token goes to its position's slot, and the slots are attended with the policy's

@@ -78,6 +78,12 @@ class Storage(Protocol):
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """Write token t of row b to slot ``slots[b, t]`` (B, T); padding goes to the scratch slot."""
 
+    def empty_scratch(self) -> None:
+        """Empty the scratch slot: position -1 and every buffer's contents zero. A chunk's
+        ``write`` may send several tokens there (padding, tokens that do not survive), and a
+        device's scatter keeps any one of them (CUDA's order is unspecified), so a chunk path
+        empties it afterwards: then the state, and a snapshot of it, are the same on every device."""
+
     def settle(self, dst: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """Move the token staged in the scratch slot to slot ``dst`` (B, Hp, 1); empty the scratch slot."""
 

@@ -92,7 +92,9 @@ def test_a_budget_covering_the_sequence_is_the_dense_cache(llama):
         # different numbers of slots, which CUDA's kernels sum in different orders).
         assert max_diff(llama(rest, cache), llama(rest, dense)) <= EXACT_ATOL[torch.float32]
         for layer, ref in zip(cache.layers, dense.layers):
-            assert torch.equal(layer.storage.k[0, :, :29], ref.storage.k[0, :, :29])
+            # The context's keys bitwise; the chunk's, past the first layer, come from those outputs.
+            assert torch.equal(layer.storage.k[0, :, :24], ref.storage.k[0, :, :24])
+            assert max_diff(layer.storage.k[0, :, 24:29], ref.storage.k[0, :, 24:29]) <= EXACT_ATOL[torch.float32]
         cache = kvcache.make_cache(llama, "kvzip", cache_length=total)
         got = kvzip.generate(llama, cache, ctx, rest, repeat=REPEAT, max_new_tokens=6, stop_tokens=())
     want = kvcache.generate(llama, torch.cat((ctx, rest), 1)[0], max_new_tokens=6, prefill_chunk=24, stop_tokens=())

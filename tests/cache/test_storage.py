@@ -236,6 +236,27 @@ def test_cache_bytes_per_policy(llama, storage):
         assert cache.nbytes() < full.nbytes()
 
 
+@pytest.mark.parametrize("storage", ["full", "int8", "int4"])
+@pytest.mark.parametrize("policy", ["dense", "window", "sink", "h2o"])
+def test_a_chunk_leaves_the_scratch_slot_empty(llama, policy, storage):
+    """A padded ragged chunk, and a ring's chunk longer than the cache, send several tokens to
+    the scratch slot in one scatter. Which of them a device keeps is unspecified (CUDA keeps any),
+    so every chunk path empties the slot afterwards: position -1 and zero contents in every
+    buffer that has it, whatever the device. Two caches fed alike then snapshot bitwise alike."""
+    C = 64 if policy == "dense" else 8
+    rows = [ids_for(L, seed=60 + b, vocab=llama.config.vocab_size)[0] for b, L in enumerate((21, 9, 15))]
+    schedule = [[12, 4, 5], [5, 0, 7], [4, 5, 3]]
+    with torch.inference_mode():
+        cache = kvcache.make_cache(llama, f"{policy}:{storage}", cache_length=C, batch_size=3)
+        feed(llama, cache, rows, schedule, pad_seed=3)
+    for i, layer in enumerate(cache.layers):
+        for name, buf in layer.storage.buffers().items():
+            if buf.dim() > 2 and buf.shape[2] == C + 1:
+                scratch = buf[:, :, C]
+                want = torch.full_like(scratch, -1) if name == "pos" else torch.zeros_like(scratch)
+                assert torch.equal(scratch, want), f"layer {i} {name}"
+
+
 # ----- quantization error ---------------------------------------------------------------------
 
 

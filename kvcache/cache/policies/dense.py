@@ -50,7 +50,7 @@ class DenseCache(LayerCache):
         else:
             store.write(step.append_slot, k, v, step.positions)
             # Padding went to the scratch slot: it holds no token (as after an evicting cache's write).
-            store.pos[:, :, self.spec.cache_length] = -1
+            store.empty_scratch()
         if step.fresh and readback:
             if not early:
                 # The chunk read back from the codes just written (slot t holds token t): what

@@ -54,6 +54,12 @@ class FullStorage:
         new = positions.to(self.pos.dtype).unsqueeze(1).expand(B, Hp, T)
         self.pos.scatter_(2, slots.unsqueeze(1).expand(B, Hp, T), new)
 
+    def empty_scratch(self) -> None:
+        """Slot C: position -1, keys and values zero (see the Storage protocol)."""
+        self.k[:, :, -1] = 0
+        self.v[:, :, -1] = 0
+        self.pos[:, :, -1] = -1
+
     def settle(self, dst: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """Move the token that ``write_slice(C, k, v, positions)`` put in the scratch slot C to
         slot ``dst`` (B, Hp, 1), and empty the scratch slot. k, v: (B, Hkv, 1, D); positions: (B, 1).

@@ -146,6 +146,12 @@ class TokenStorage:
         new = positions.to(self.pos.dtype).unsqueeze(1).expand(B, Hp, T)
         self.pos.scatter_(2, slots.unsqueeze(1).expand(B, Hp, T), new)
 
+    def empty_scratch(self) -> None:
+        """Slot C: position -1, codes and their meta zero (see the Storage protocol)."""
+        for buf in self._buffers():
+            buf[:, :, -1] = 0
+        self.pos[:, :, -1] = -1
+
     def settle(self, dst: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """Move the token in the scratch slot to slot ``dst`` (B, Hp, 1) and empty the scratch
         slot. Codes move as they are: a moved token is not re-quantized."""
