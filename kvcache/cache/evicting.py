@@ -47,6 +47,31 @@ from .storage import in_place, make_storage
 # Added to a priority to make a candidate outrank every scored one (sinks, the recent window).
 PROTECTED = 1e30
 EMPTY = float("-inf")
+# Mantissa bits a score keeps in ``coarse``: two scores that agree to 2**-12 (2.4e-4) relative tie.
+TIE_BITS = 12
+
+
+def coarse(score: torch.Tensor) -> torch.Tensor:
+    """float32 ``score`` with its mantissa cut to ``TIE_BITS`` bits (toward zero; order kept).
+
+    For a policy whose scores tie exactly in exact arithmetic (knorm: a token that comes twice
+    has one key norm in the first layer, RoPE only rotates it): float rounding sets such scores
+    apart by a few units in the last place, and which way depends on the kernels, which a GPU
+    picks by shape, so a row would keep one token in a batch and the other alone. Cut, they are
+    equal again and the ranking's tie rule (the newer is kept) decides. Rounding that straddles
+    a cut is still possible, at about the ratio of the rounding to the cut (1e-7 / 2.4e-4 in
+    float32)."""
+    bits = score.float().view(torch.int32) & ~((1 << (23 - TIE_BITS)) - 1)
+    return bits.view(torch.float32)
+
+
+def rank_newest_first(prio: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Indices (..., N) of the candidates from the highest priority ``prio`` (..., N) down; ties
+    go to the newer of ``positions`` (..., N), whatever the slot order (which differs between a
+    row alone and in a ragged batch)."""
+    by_age = positions.argsort(dim=-1, descending=True, stable=True)
+    ranked = prio.gather(-1, by_age).sort(dim=-1, descending=True, stable=True).indices
+    return by_age.gather(-1, ranked)
 
 
 class EvictingCache(LayerCache):
@@ -315,10 +340,7 @@ class EvictingCache(LayerCache):
         if self.spec.block > 1:
             room = torch.where(over, C - self.spec.reserve, C)
             prio, kept = keep_whole_blocks(prio, cand_pos, self.spec.block, c.newest, room)
-        # Newest first, then a stable sort by priority: ties keep the newer token, whatever the slot order.
-        by_age = cand_pos.argsort(dim=-1, descending=True, stable=True)
-        ranked = prio.gather(2, by_age).sort(dim=-1, descending=True, stable=True).indices
-        keep = by_age.gather(2, ranked[..., :C])  # (B, Hp, C), in rank order
+        keep = rank_newest_first(prio, cand_pos)[..., :C]  # (B, Hp, C), in rank order
         held = kept if self.spec.block > 1 else torch.where(over, C - self.spec.reserve, total)
         if self.storage.keeps_in_place:
             # Survivors stay in their slots (KIVI keeps its per-channel key groups for keys that do

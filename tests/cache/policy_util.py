@@ -8,6 +8,7 @@ second conftest.py would shadow it).
 from __future__ import annotations
 
 import contextlib
+import copy
 import ctypes
 import os
 from pathlib import Path
@@ -66,6 +67,18 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 # ----- feeding --------------------------------------------------------------------------------
+
+
+def nudged(model: kvcache.Transformer, seed: int) -> kvcache.Transformer:
+    """A copy of ``model`` with every weight moved one unit in the last place, up or down at
+    random: its activations differ from the model's by float rounding, as two kernels' do."""
+    out = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for w in out.parameters():
+            up = torch.randint(0, 2, w.shape, generator=g).to(w.device, torch.bool)
+            w.copy_(torch.nextafter(w, torch.where(up, torch.inf, -torch.inf)))
+    return out
 
 
 def feed(model, cache, rows, schedule, *, pad_seed=0, after_call=None):

@@ -32,6 +32,7 @@ from policy_util import (
     ids_for,
     kept,
     max_diff,
+    nudged,
     visible_sets,
 )
 from conftest import DEVICE, atol
@@ -347,6 +348,41 @@ def test_ragged_batch_evicts_per_row_as_alone(llama, policy, options):
 ], ids=lambda x: str(x))
 def test_ragged_batch_with_single_token_rows_evicts_as_alone(llama, policy, options):
     _ragged_case(llama, policy, options, SCHEDULE_SINGLES)
+
+
+class RoundOtherwise:
+    """A layer hook that moves every hidden state entering a layer one unit in the last place,
+    up or down at random, drawn afresh at each call: each chunk's products round otherwise,
+    as a GPU's kernels do when the shapes change (a batch against one row)."""
+
+    def __init__(self, seed: int) -> None:
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def __call__(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        up = torch.randint(0, 2, x.shape, generator=self.gen).to(x.device, torch.bool)
+        return torch.nextafter(x, torch.where(up, torch.inf, -torch.inf).to(x.dtype))
+
+
+@pytest.mark.parametrize("policy,options", RAGGED_CASES, ids=lambda x: str(x))
+def test_ragged_batch_evicts_as_alone_under_other_rounding(clean_hook, policy, options):
+    """Each row alone under ``RoundOtherwise`` keeps what it keeps in the batch. Scores that
+    tie exactly are apart by rounding there: a token that comes twice has one key norm in the
+    first layer (RoPE only rotates it), which knorm ranks by. Such ties go by the policy's rule
+    (the newer is kept) whatever the rounding; the logits stay within the cache tolerance."""
+    llama = clean_hook
+    C, schedule = 8, SCHEDULE
+    lengths = [sum(n[b] for n in schedule) for b in range(3)]
+    rows = [ids_for(L, seed=40 + b, vocab=VOCAB)[0] for b, L in enumerate(lengths)]
+    with torch.inference_mode():
+        cache = kvcache.make_cache(llama, policy, cache_length=C, batch_size=3, **options)
+        got = feed(llama, cache, rows, schedule, pad_seed=3)
+        for seed in range(6):  # draws that set knorm's and critical's ties apart either way
+            llama.layer_hook = RoundOtherwise(seed)
+            for b, row in enumerate(rows):
+                alone, alone_cache = feed_alone(llama, policy, row, [n[b] for n in schedule], C, **options)
+                for i, (layer, ref) in enumerate(zip(cache.layers, alone_cache.layers)):
+                    assert kept(layer, b) == kept(ref, 0), f"draw {seed} row {b} layer {i}"
+                assert max_diff(got[b], alone) <= atol("cache"), f"draw {seed} row {b}"
 
 
 def test_generate_ragged_prompts_equal_each_prompt_alone(llama):

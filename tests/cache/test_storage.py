@@ -5,7 +5,6 @@ names and bad input."""
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ from kvcache.cache.storage import STORAGES, in_place, make_storage, parse_storag
 from kvcache.cache.storages.full import FullStorage
 from kvcache.cli import main
 from kvcache.kernels import CHANNEL, RESIDUAL, TOKEN, PackedKeys, PackedValues, fused
-from policy_util import check_storage, feed, feed_alone, ids_for, max_diff
+from policy_util import check_storage, feed, feed_alone, ids_for, max_diff, nudged
 from conftest import DEVICE
 
 CPU = DEVICE  # the test device (the name predates it)
@@ -438,18 +437,6 @@ def test_quantized_logits_are_close_to_full_precision(llama, storage):
 # by more than 1e-4 (int4, token4). All far under the quantization error itself (LOGIT_BOUND),
 # which is what a chunking that read the wrong bits would add.
 FLIP_ATOL = {"int8": 0.01, "int4/8": 2e-3, "int4/4": 2e-3, "int2/8": 0.05, "token4": 2e-3}
-
-
-def nudged(model: kvcache.Transformer, seed: int) -> kvcache.Transformer:
-    """A copy of ``model`` with every weight moved one unit in the last place, up or down at
-    random: its activations differ from the model's by float rounding, as two kernels' do."""
-    out = copy.deepcopy(model)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for w in out.parameters():
-            up = torch.randint(0, 2, w.shape, generator=g).to(w.device, torch.bool)
-            w.copy_(torch.nextafter(w, torch.where(up, torch.inf, -torch.inf)))
-    return out
 
 
 @pytest.mark.parametrize("storage", ["int8", "int4/8", "int2/8", "token4"])

@@ -19,7 +19,7 @@ import torch
 
 from ..base import CacheSpec
 from ..candidates import Candidates
-from ..evicting import EvictingCache
+from ..evicting import EvictingCache, coarse, rank_newest_first
 from ..options import option
 
 BASES = ("knorm", "keydiff", "lagkv", "random", "h2o", "tova", "snapkv")
@@ -85,18 +85,20 @@ class CriticalCache(EvictingCache):
         self.base.held = self.held  # a base that counts what a row keeps (lagkv) counts this cache's
         self.base.spec = self.spec
         score = self.base.priority(c).float().masked_fill(c.empty, float("-inf"))
-        weighted = (score + self.options.epsilon) * projected_value_norms(c.values, self.spec.out_proj)
+        # Cut (``coarse``), as knorm's norms: a token that comes twice has one value norm in the
+        # first layer, and ties go by the ranking's rule (the newer), not by rounding.
+        weighted = coarse((score + self.options.epsilon) * projected_value_norms(c.values, self.spec.out_proj))
         top = torch.finfo(torch.float32).max
         C = self.spec.cache_length
         if c.step.num_tokens == 1:
             # A decode step: every row keeps cache_length, so the first stage has one size, and
             # the step is tensor operations only (the same eager and captured).
             first = int(C * self.options.first_stage)
-            return weighted.scatter(-1, score.topk(first, dim=-1).indices, top) if first else weighted
+            return weighted.scatter(-1, rank_newest_first(score, c.positions)[..., :first], top) if first else weighted
         total = self.held + c.step.n_tokens.cpu()
         room = torch.where(total > C, C - self.spec.reserve, total)  # what each row keeps
         for b in range(B):
             first = int(int(room[b]) * self.options.first_stage)
             if first:
-                weighted[b].scatter_(-1, score[b].topk(first, dim=-1).indices, top)
+                weighted[b].scatter_(-1, rank_newest_first(score[b], c.positions[b])[..., :first], top)
         return weighted

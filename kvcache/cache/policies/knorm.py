@@ -17,7 +17,7 @@ import torch
 
 from ..base import CacheSpec
 from ..candidates import Candidates
-from ..evicting import PROTECTED, EvictingCache, require_room
+from ..evicting import PROTECTED, EvictingCache, coarse, require_room
 from ..options import option
 
 
@@ -42,8 +42,9 @@ class KnormCache(EvictingCache):
         super().__init__(spec, options)
 
     def priority(self, c: Candidates) -> torch.Tensor:
-        # In float32 whatever the model's dtype: a half-precision norm ties distinct keys.
-        score = -torch.linalg.vector_norm(c.keys, dim=-1, dtype=torch.float32)  # (B, Hkv, N)
+        # In float32 whatever the model's dtype: a half-precision norm ties distinct keys. Cut
+        # (``coarse``): one key twice, rotated to two positions, ties whatever the rounding.
+        score = coarse(-torch.linalg.vector_norm(c.keys, dim=-1, dtype=torch.float32))  # (B, Hkv, N)
         protected = c.positions > c.newest - self.options.recent
         if self.options.sinks:
             protected |= c.positions < self.options.sinks
