@@ -34,9 +34,9 @@ DEFAULT_MAX_NEW_TOKENS = 128
 DEFAULT_EVAL_OUT = "kvcache-eval"
 THREADS_HELP = (
     "CPU threads for torch (default: 1 for a model of up to 50M parameters, such as the bundled one; "
-    "else torch's, usually one per core; OMP_NUM_THREADS, when set, is kept). Use 1 when another CPU-bound "
-    "process shares the machine: with one running on 2 cores, 2 threads gave 383 tok/s prefill and "
-    "31 tok/s decode, 1 thread 5700 and 243"
+    "else torch's, usually one per core, but no more than the cores the load average leaves idle; "
+    "OMP_NUM_THREADS, when set, is kept). Use 1 when another CPU-bound process shares the machine: "
+    "with one running on 2 cores, 2 threads gave 383 tok/s prefill and 31 tok/s decode, 1 thread 5700 and 243"
 )
 
 

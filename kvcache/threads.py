@@ -4,9 +4,10 @@ A small model's matmuls are too short to split: on the CPU every extra intra-op 
 synchronisation per operation and gains nothing, and when another CPU-bound process shares the
 cores the threads wait on each other and decoding slows several-fold
 (``benchmarks/threads.py``; docs/cli.md, Threads). So a model of up to ``SMALL_MODEL``
-parameters on the CPU runs one thread, and a larger one keeps torch's choice (usually one per
-core), unless the user said otherwise: ``--threads N``, or ``OMP_NUM_THREADS`` in the
-environment.
+parameters on the CPU runs one thread, and a larger one runs torch's choice (usually one per
+core) capped at the cores that other processes leave idle (``idle_cores``: 1 thread, not 2, on a
+2-core machine where another process keeps one core busy), unless the user said otherwise:
+``--threads N``, or ``OMP_NUM_THREADS`` in the environment.
 """
 
 from __future__ import annotations
@@ -34,6 +35,18 @@ def user_chose() -> bool:
     return _given is not None or bool(os.environ.get("OMP_NUM_THREADS", "").strip())
 
 
+def idle_cores() -> int | None:
+    """The cores this process may run on less the system's 1-minute load average (rounded), at
+    least 1; None where the system gives no load average. Read when a command has just loaded
+    its model, before it computes, so the load is other processes'."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, usable - round(load))
+
+
 def for_model(model: torch.nn.Module) -> int:
     """Set the thread count for ``model`` as the module docstring says; returns the count in force."""
     if not user_chose():
@@ -41,4 +54,8 @@ def for_model(model: torch.nn.Module) -> int:
         on_cpu = weight is None or weight.device.type == "cpu"
         if on_cpu and sum(p.numel() for p in model.parameters()) <= SMALL_MODEL:
             torch.set_num_threads(1)
+        elif on_cpu:
+            idle = idle_cores()
+            if idle is not None and idle < torch.get_num_threads():
+                torch.set_num_threads(idle)
     return torch.get_num_threads()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -206,25 +207,34 @@ def test_dense_too_small_fails_before_printing(model_dir, capsys):
 
 def test_threads_are_chosen_for_the_model_unless_given(model_dir, monkeypatch, capsys):
     """--threads N wins; without it a small CPU model runs one thread (kvcache/threads.py), a larger
-    one keeps torch's choice, and so does any model when OMP_NUM_THREADS is set."""
+    one torch's choice, capped at the cores other processes leave idle by the load average, and
+    any model keeps torch's choice when OMP_NUM_THREADS is set."""
     import kvcache.threads
 
     calls = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)  # torch's choice on a 4-core machine
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)), raising=False)
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.1, 0.0, 0.0), raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     run = ["generate", PROMPT, "--model", str(model_dir), "--max-new-tokens", "1", "--json"]
     assert main(run + ["--threads", "3"]) == 0
     assert calls == [3]
     assert main(run) == 0
     assert calls == [3, 1]  # a small model: one thread
-    assert json.loads(capsys.readouterr().out.splitlines()[-1])["threads"] == torch.get_num_threads()
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["threads"] == 4
     monkeypatch.setattr(kvcache.threads, "SMALL_MODEL", 1000)
     assert main(run) == 0
-    assert calls == [3, 1]  # a larger one: torch's own choice
+    assert calls == [3, 1]  # a larger one on an idle machine: torch's own choice
+    monkeypatch.setattr(os, "getloadavg", lambda: (2.6, 0.0, 0.0), raising=False)
+    assert main(run) == 0
+    assert calls == [3, 1, 1]  # three of the four cores busy: one thread
+    assert main(run + ["--threads", "2"]) == 0
+    assert calls == [3, 1, 1, 2]  # --threads wins over the load
     monkeypatch.setattr(kvcache.threads, "SMALL_MODEL", 10**9)
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     assert main(run) == 0
-    assert calls == [3, 1]  # the environment said
+    assert calls == [3, 1, 1, 2]  # the environment said
     with pytest.raises(SystemExit):
         main(["generate", PROMPT, "--threads", "0"])
     assert "--threads" in capsys.readouterr().err
