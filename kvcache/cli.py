@@ -326,6 +326,9 @@ def _add_eval(commands) -> None:
     ev.add_argument("--no-plots", action="store_true", help="write the JSON and Markdown reports only (no matplotlib)")
     ev.add_argument("--threads", type=_int_at_least(1), metavar="N", help=THREADS_HELP)
     ev.add_argument("--quick", action="store_true", help="a smoke run of well under a minute")
+    ev.add_argument("--report-only", action="store_true",
+                    help="ruler/dataset: write the report from the cells already finished under --out, "
+                         "running none (a sweep still under way, or one to be finished later)")
     ev.add_argument("--ray", nargs="?", const="", metavar="ADDRESS",
                     help="run the cells as Ray tasks, one model per worker, on a local cluster or on "
                          "the one at ADDRESS (ray start --head prints it); needs kvcache[ray]. See docs/distributed.md")

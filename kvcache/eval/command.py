@@ -69,11 +69,12 @@ def check_grid(policies, model=None) -> None:
 
 
 def benchmark(args) -> str:
-    if args.benchmark is not None:
-        if args.benchmark == "passkey" and args.dataset is not None:
-            raise ValueError("--dataset applies to --benchmark dataset or ruler, not passkey")
-        return args.benchmark
-    return "dataset" if args.dataset is not None else "passkey"
+    kind = args.benchmark or ("dataset" if args.dataset is not None else "passkey")
+    if args.benchmark == "passkey" and args.dataset is not None:
+        raise ValueError("--dataset applies to --benchmark dataset or ruler, not passkey")
+    if kind == "passkey" and args.report_only:
+        raise ValueError("--report-only applies to --benchmark ruler or dataset, not passkey")
+    return kind
 
 
 def run(args, out: Path, dtype: torch.dtype | None, progress: bool) -> None:
@@ -138,10 +139,14 @@ def _sweep(args, kind: str, out: Path, dtype: torch.dtype | None, progress: bool
     model = load(args.model, dtype=dtype, device=args.device)
     threads_for_model(model)
     check_grid(policies, model)
+    if args.report_only and not sweep.load(Path(out), cells, bench):
+        raise ValueError(f"--report-only: none of the {len(cells)} cells is finished in {out}/cells")
     out = out_dir(str(out))  # the first thing written: after every check above
     done = len(cells) - len(sweep.pending(cells, bench, out))
     print(f"kvcache eval: {len(cells)} cells ({done} already in {out}/cells), writing to {out}/", file=sys.stderr)
-    if args.ray is None:
+    if args.report_only:
+        results = sweep.load(out, cells, bench)
+    elif args.ray is None:
         results = sweep.run(model, tokenizer, cells, bench, out, progress=progress)
     else:
         from . import ray_sweep

@@ -43,6 +43,23 @@ def test_ruler_sweep_writes_report_and_plots_and_resumes(tiny_dir, tmp_path, cap
     assert "18 cells (0 already" in captured.err
     assert main(args) == 0
     assert "18 cells (18 already" in capsys.readouterr().err
+    # A grid not yet run: --report-only reports the finished cells and runs none.
+    (out / "report.json").unlink()
+    wider = [a.replace("dense,window,sink", "dense,window,sink,h2o") for a in args]
+    assert main(wider + ["--report-only"]) == 0
+    assert "26 cells (18 already" in capsys.readouterr().err
+    report = json.loads((out / "report.json").read_text())
+    assert {r["cell"]["policy"] for r in report["results"]} == {"dense", "window", "sink"}
+    assert len(report["results"]) == 18 and len(list((out / "cells").glob("*.json"))) == 18
+
+
+def test_report_only_needs_finished_cells(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "none"
+    assert main(["eval", "--benchmark", "ruler", "--model", str(tiny_dir), "--tasks", "niah_single_1",
+                 "--lengths", "512", "--policies", "dense", "--samples", "1", "--report-only", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--report-only: none of the 1 cells is finished" in err and "Traceback" not in err
+    assert not out.exists()
 
 
 def test_dataset_benchmark_scores_the_file(tiny_dir, tmp_path, capsys):
@@ -66,6 +83,7 @@ def test_dataset_benchmark_scores_the_file(tiny_dir, tmp_path, capsys):
     (["--benchmark", "ruler", "--tasks", "niah"], "unknown RULER task\\(s\\) niah"),
     (["--benchmark", "ruler", "--protocols", "aware"], "unknown protocol\\(s\\) aware"),
     (["--benchmark", "dataset"], "needs a dataset file"),
+    (["--report-only"], "--report-only applies to --benchmark ruler or dataset"),
 ])
 def test_bad_flags_are_clear_errors(tmp_path, capsys, flags, message):
     import re
