@@ -35,7 +35,7 @@ def _resolve(source: str | Path | None) -> Path:
                 "pass the path of a Hugging Face-format checkpoint directory"
             )
         return BUNDLED_MODEL
-    path = Path(source)
+    path = Path(source).expanduser()  # "~/..." as the docs write it, even where no shell expanded it
     if path.is_file() and gguf.is_gguf(path):
         return path
     if not path.is_dir():

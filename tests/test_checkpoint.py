@@ -66,6 +66,14 @@ def test_load_accepts_str_path_and_device(llama_ckpt):
     assert model.embed_tokens.weight.device.type == "cpu"
 
 
+def test_load_expands_a_home_path(llama_ckpt, monkeypatch):
+    """"~/..." names the home directory, as the docs write it, even where no shell expanded it."""
+    monkeypatch.setenv("HOME", str(llama_ckpt.path.parent))
+    model = kvcache.load(f"~/{llama_ckpt.path.name}")
+    want = kvcache.load(llama_ckpt.path)
+    assert torch.equal(model.embed_tokens.weight, want.embed_tokens.weight)
+
+
 def test_default_dtype_on_cpu_is_float32(tmp_path, llama_ckpt):
     """A half-precision checkpoint loads in float32 on CPU (the CLI's default too), unless asked."""
     half = tmp_path / "half"
