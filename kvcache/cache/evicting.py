@@ -182,22 +182,25 @@ class EvictingCache(LayerCache):
         return not self.spec.reserve and self.spec.block == 1
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
+        return self._take(q, k, v, step)
+
+    def absorb(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> None:
+        """``attend`` without the outputs where the chunk is ranked (the chunk path: what the
+        policy scores and keeps is computed, the attention outputs are not); a subclass that
+        attends its own way runs its ``attend``."""
+        if type(self).attend is EvictingCache.attend:
+            self._take(q, k, v, step, outputs=False)
+        else:
+            self.attend(q, k, v, step)
+
+    def _take(self, q, k, v, step: Step, outputs: bool = True) -> torch.Tensor | None:
+        """The path a chunk takes: a decode step's, appending while every row has room, else
+        ranking (whose attention outputs ``outputs=False`` skips)."""
         if step.decode and self.per_token:
             return self.decode(q, k, v, step)
         if bool((self.held + step.n_tokens <= self.spec.cache_length).all()):
             return self._append(q, k, v, step)
-        return self._chunk(q, k, v, step)
-
-    def absorb(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> None:
-        """``attend`` without the outputs where the chunk is ranked (the chunk path: what the
-        policy scores and keeps is computed, the attention outputs are not); the other paths,
-        and a subclass that attends its own way, run ``attend``."""
-        ranked = not (step.decode and self.per_token) and not bool(
-            (self.held + step.n_tokens <= self.spec.cache_length).all())
-        if ranked and type(self).attend is EvictingCache.attend:
-            self._chunk(q, k, v, step, outputs=False)
-        else:
-            self.attend(q, k, v, step)
+        return self._chunk(q, k, v, step, outputs=outputs)
 
     def _append(self, q, k, v, step: Step, count: bool = True) -> torch.Tensor:
         """Every row has room for its chunk: write it after the held slots, attend in place.

@@ -139,13 +139,14 @@ def _sweep(args, kind: str, out: Path, dtype: torch.dtype | None, progress: bool
     model = load(args.model, dtype=dtype, device=args.device)
     threads_for_model(model)
     check_grid(policies, model)
-    if args.report_only and not sweep.load(Path(out), cells, bench):
+    finished = sweep.load(Path(out), cells, bench) if args.report_only else []
+    if args.report_only and not finished:
         raise ValueError(f"--report-only: none of the {len(cells)} cells is finished in {out}/cells")
     out = out_dir(str(out))  # the first thing written: after every check above
     done = len(cells) - len(sweep.pending(cells, bench, out))
     print(f"kvcache eval: {len(cells)} cells ({done} already in {out}/cells), writing to {out}/", file=sys.stderr)
     if args.report_only:
-        results = sweep.load(out, cells, bench)
+        results = finished
     elif args.ray is None:
         results = sweep.run(model, tokenizer, cells, bench, out, progress=progress)
     else:
