@@ -134,7 +134,7 @@ def policies_run(device: str, quick: bool) -> list[str]:
     # The floors' policies first (window, sink <= 1.05x dense; h2o, tova, snapkv <= 1.2x): each is
     # a group of its own, its figure saved once timed, so a part stopped at its budget keeps the
     # first ones. h2o comes after tova and snapkv: its 8k-token prefill weighs every query (an H100
-    # run printed nothing for it in 54 s), theirs only a few.
+    # run's 75 s ended before it printed), theirs only a few.
     floor_policies = "window,sink,tova,snapkv,h2o,sink_absolute"
     # Every policy whose step can be captured (batched eviction, the _reserve64 variants, is not).
     captured = [name for name, options in policies.POLICIES.items() if name != "dense" and not options.get("reserve")]
