@@ -231,16 +231,30 @@ def sample_group(cell: Cell) -> tuple:
     return (cell.task, cell.length, cell.protocol, cell.samples, cell.seed)
 
 
-def run_cells(model, tokenizer, cells: Sequence[Cell], bench: Bench) -> list[dict]:
+# What ``run_cells`` hands back after each sample: the results so far, one a cell (no "score" yet).
+Progress = Callable[[list[dict]], None]
+
+
+def run_cells(model, tokenizer, cells: Sequence[Cell], bench: Bench,
+              known: Sequence[Sequence[dict]] | None = None, progress: Progress | None = None) -> list[dict]:
     """The results of ``cells``, which must share their samples (``sample_group``), as
     ``run_cell`` gives them one by one: the samples are built once and run one after another
     through every cell, so that each sample's first chunk is prefilled once for all the
-    policies that compute it alike (shared.py). A cell's seconds are its own runs'; the shared
-    prefills are counted in the cell that first asked for each."""
+    policies that compute it alike (shared.py).
+
+    known:    for each cell, outcomes already computed (a sweep's earlier, shorter or
+              interrupted run of it: same settings, same samples); a sample found there is not
+              run again for that cell. Each outcome's "seconds" is the time its cell spent on
+              it (the shared prefill counted in the cell that first asked for it).
+    progress: called after each sample with every cell's partial result (``partial``), so
+              that an interrupted run loses at most the sample in flight.
+    """
     if bench.benchmark == "passkey":
         raise ValueError("a passkey cell is run by kvcache.eval.passkey.Runner, not run_cell")
     if len({sample_group(c) for c in cells}) > 1:
         raise ValueError("run_cells runs cells with the same samples (task, length, protocol, samples, seed)")
+    if known is not None and len(known) != len(cells):
+        raise ValueError(f"known has {len(known)} entries for {len(cells)} cells; give one list a cell")
     skip = ruler.skipped(cells[0].task, ruler.Source(qa=ds.qa_source(bench.dataset) if bench.dataset else ())) \
         if bench.benchmark == "ruler" else None
     if skip is not None:
@@ -250,14 +264,34 @@ def run_cells(model, tokenizer, cells: Sequence[Cell], bench: Bench) -> list[dic
     samples = cell_samples(tokenizer, cells[0], bench)
     if not samples:
         raise ValueError(f"no samples for task {cells[0].task!r} in {bench.dataset}")
-    seconds = [(time.perf_counter() - start) / len(cells)] * len(cells)
+    # Building the samples: counted in each cell's first sample run, a share per cell.
+    setup = [(time.perf_counter() - start) / len(cells)] * len(cells)
+    found = [{o["index"]: o for o in outcomes} for outcomes in (known or [[]] * len(cells))]
     outcomes: list[list[dict]] = [[] for _ in cells]
     shared = SharedPrefill() if len(cells) > 1 else None
     for sample in samples:
+        ran = False
         for i, c in enumerate(cells):
+            if sample.index in found[i]:
+                outcomes[i].append(found[i][sample.index])
+                continue
+            ran = True
             start = time.perf_counter()
-            outcomes[i].append(run_sample(model, tokenizer, sample, c.policy, c.ratio, c.protocol, bench.chat, shared))
-            seconds[i] += time.perf_counter() - start
-    return [{"cell": asdict(c), "bench": asdict(bench), "skipped": None,
-             "score": sum(o["score"] for o in found) / len(found), "samples": found, "seconds": s}
-            for c, found, s in zip(cells, outcomes, seconds)]
+            outcome = run_sample(model, tokenizer, sample, c.policy, c.ratio, c.protocol, bench.chat, shared)
+            outcome["seconds"] = time.perf_counter() - start + setup[i]
+            setup[i] = 0.0
+            outcomes[i].append(outcome)
+        if ran and progress is not None and len(outcomes[0]) < len(samples):
+            progress([partial(c, bench, o) for c, o in zip(cells, outcomes)])
+    return [finished(c, bench, o) for c, o in zip(cells, outcomes)]
+
+
+def partial(cell: Cell, bench: Bench, outcomes: list[dict]) -> dict:
+    """A cell's result before its last sample: its outcomes so far, no score."""
+    return {"cell": asdict(cell), "bench": asdict(bench), "skipped": None, "samples": list(outcomes),
+            "seconds": sum(o.get("seconds", 0.0) for o in outcomes)}
+
+
+def finished(cell: Cell, bench: Bench, outcomes: list[dict]) -> dict:
+    """A cell's result: its spec, the mean score in [0, 100], every sample's outcome, seconds."""
+    return {**partial(cell, bench, outcomes), "score": sum(o["score"] for o in outcomes) / len(outcomes)}

@@ -9,11 +9,15 @@ and write each result the moment it finishes.
                             share their samples run together (``run_cells``: one prefill of
                             each sample's context for the policies that compute it alike)
     load(out, ...)          the results of the given cells, in their order
+    known(out, cell, ...)   the outcomes of a cell's samples that some file already holds
 
 Results live in ``OUT/cells/<cell key>.json``; the key (cell.py) hashes every setting the result
 depends on, so a rerun with the same arguments finds the finished cells, and a changed setting
-runs afresh. A result is written to a temporary file and renamed, so an interrupted sweep leaves
-finished cells or none, never a partial file.
+runs afresh. A file is written to a temporary file and renamed, so it is never torn. While a cell
+runs, its file holds the samples finished so far and no score; a rerun takes them up and runs
+only the rest. A sample depends on its index and the seed, not on how many samples a cell has,
+so raising ``--samples`` runs only the new ones: the outcomes of the same cell with another
+sample count are reused (``known``).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -89,15 +94,47 @@ def run(model, tokenizer, cells: Sequence[Cell], bench: Bench, out: Path, runner
                dynamic_ncols=True)
     try:
         for group in batches(todo) if runner is run_cell else [[cell] for cell in todo]:
-            bar.set_postfix_str(group[0].label() + (f" (+{len(group) - 1} sharing its samples)" if len(group) > 1 else ""))
-            results = run_cells(model, tokenizer, group, bench) if runner is run_cell \
-                else [runner(model, tokenizer, group[0], bench)]
+            label = group[0].label() + (f" (+{len(group) - 1} sharing its samples)" if len(group) > 1 else "")
+            bar.set_postfix_str(label)
+            if runner is run_cell:
+                def save(partials: list[dict], group=group, label=label) -> None:
+                    for cell, result in zip(group, partials):
+                        write_atomic(result_path(out, cell, bench), result)
+                    bar.set_postfix_str(f"{label}, sample {len(partials[0]['samples'])}/{group[0].samples} done")
+
+                results = run_cells(model, tokenizer, group, bench, [known(out, c, bench) for c in group], save)
+            else:
+                results = [runner(model, tokenizer, group[0], bench)]
             for cell, result in zip(group, results):
                 write_atomic(result_path(out, cell, bench), result)
                 bar.update()
     finally:
         bar.close()
     return load(out, cells, bench)
+
+
+def known(out: Path, cell: Cell, bench: Bench) -> list[dict]:
+    """The outcomes of ``cell``'s samples that files under ``out`` already hold: its own partial
+    result (an interrupted run), or a result, finished or not, of the same cell with another
+    sample count. Outcomes carry the seconds their cell spent on them (an older file's seconds
+    are shared out evenly among its samples)."""
+    spec = asdict(cell)
+    found: dict[int, dict] = {}
+    stem = cell.key(bench).rsplit("-", 1)[0]  # the key without its hash: same for any sample count
+    for path in sorted((Path(out) / CELLS).glob(f"{stem}-*.json")):
+        try:
+            data = json.loads(path.read_text())
+            same = {**data["cell"], "samples": cell.samples} == spec and data["bench"] == asdict(bench)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # not a cell result: the sweep never wrote it
+        if not same or data.get("skipped"):
+            continue
+        outcomes = data.get("samples") or []
+        share = data.get("seconds", 0.0) / max(1, len(outcomes))
+        for o in outcomes:
+            if o["index"] < cell.samples:
+                found.setdefault(o["index"], {**o, "seconds": o.get("seconds", share)})
+    return [found[i] for i in sorted(found)]
 
 
 def batches(cells: Sequence[Cell]) -> list[list[Cell]]:

@@ -62,11 +62,11 @@ def refuse(model, tokenizer, cell, bench):
 
 
 def without_time(results):
-    """Results less how they were reached: seconds, and whether a sample's first chunk was
-    replayed from a prefill shared with other cells (a serial sweep shares; Ray's workers run
-    cells apart)."""
+    """Results less how they were reached: seconds (a cell's and a sample's), and whether a
+    sample's first chunk was replayed from a prefill shared with other cells (a serial sweep
+    shares; Ray's workers run cells apart)."""
     def sample(s):
-        return {k: v for k, v in s.items() if k != "prefill"} if isinstance(s, dict) else s
+        return {k: v for k, v in s.items() if k not in ("prefill", "seconds")} if isinstance(s, dict) else s
 
     return [{k: ([sample(s) for s in v] if k == "samples" else v) for k, v in r.items() if k != "seconds"}
             for r in results]

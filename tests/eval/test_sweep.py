@@ -107,3 +107,65 @@ def test_results_scores_and_leaderboard(tiny, tokenizer, tmp_path):
     assert "- model: tiny" in table and "skipped qa_1" in table
     assert table.index("## query-agnostic") < table.index("## query-aware")
     assert "| h2o | 0.5 |" in table and "| dense | 0 |" in table
+
+
+def outcomes(result):
+    """A result's samples without their timings (which differ from run to run)."""
+    return [{k: v for k, v in o.items() if k != "seconds"} for o in result["samples"]]
+
+
+def niah(samples, seed=0):
+    return sweep.plan(["dense", "tova", "h2o"], [0.5], ["niah_single_1"], [512], ["query_agnostic"],
+                      samples=samples, seed=seed)
+
+
+def test_raising_the_sample_count_runs_only_the_new_samples(tiny, tokenizer, tmp_path):
+    one = sweep.run(tiny, tokenizer, niah(1), BENCH, tmp_path, progress=False)
+    other_seed = sweep.run(tiny, tokenizer, niah(1, seed=1), BENCH, tmp_path, progress=False)
+    three = sweep.run(tiny, tokenizer, niah(3), BENCH, tmp_path, progress=False)
+    fresh = sweep.run(tiny, tokenizer, niah(3), BENCH, tmp_path / "fresh", progress=False)
+    assert [outcomes(r) for r in three] == [outcomes(r) for r in fresh]
+    for before, after, seeded in zip(one, three, other_seed):
+        # Sample 0 is the earlier run's own outcome, its time included: nothing ran it again.
+        assert after["samples"][0] == before["samples"][0]
+        assert after["samples"][0] != seeded["samples"][0]
+        assert [o["index"] for o in after["samples"]] == [0, 1, 2]
+        assert after["score"] == sum(o["score"] for o in after["samples"]) / 3
+        assert after["seconds"] == pytest.approx(sum(o["seconds"] for o in after["samples"]))
+    # Fewer samples than a finished cell holds: its first ones, with no model call at all.
+    hook_calls = []
+    tiny.layer_hook = lambda i, x: hook_calls.append(i)
+    try:
+        two = sweep.run(tiny, tokenizer, niah(2), BENCH, tmp_path, progress=False)
+    finally:
+        tiny.layer_hook = None
+    assert hook_calls == []
+    assert [r["samples"] for r in two] == [r["samples"][:2] for r in three]
+
+
+def test_an_interrupted_cell_keeps_its_finished_samples(tiny, tokenizer, tmp_path):
+    cells = niah(2)
+
+    def interrupt(i, x):
+        # Result files appear once the first sample has run through every cell: the next
+        # forward (the second sample's) is interrupted.
+        if i == 0 and any((tmp_path / sweep.CELLS).glob("*.json")):
+            raise KeyboardInterrupt
+
+    tiny.layer_hook = interrupt
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            sweep.run(tiny, tokenizer, cells, BENCH, tmp_path, progress=False)
+    finally:
+        tiny.layer_hook = None
+    files = {p.name: json.loads(p.read_text()) for p in (tmp_path / sweep.CELLS).glob("*.json")}
+    assert len(files) == len(cells)
+    assert all("score" not in r and [o["index"] for o in r["samples"]] == [0] for r in files.values())
+    assert sweep.pending(cells, BENCH, tmp_path) == cells  # a partial cell is not a finished one
+    assert sweep.load(tmp_path, cells, BENCH) == []
+
+    resumed = sweep.run(tiny, tokenizer, cells, BENCH, tmp_path, progress=False)
+    fresh = sweep.run(tiny, tokenizer, cells, BENCH, tmp_path / "fresh", progress=False)
+    assert [outcomes(r) for r in resumed] == [outcomes(r) for r in fresh]
+    for r in resumed:
+        assert r["samples"][0] == files[sweep.result_path(tmp_path, Cell(**r["cell"]), BENCH).name]["samples"][0]
