@@ -151,6 +151,7 @@ def masked_with_weights(
     limit: int | None = None,
     q_sink: torch.Tensor | None = None,
     outputs: bool = True,
+    in_order: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """``masked`` attention that also reports how much attention each key received.
 
@@ -163,6 +164,9 @@ def masked_with_weights(
         seen:  (B, Hp, S) float32, sum over queries of q_weight[t] * [s visible to t].
     ``q_sink`` (B, Hq, T, D), if given, replaces q when scoring keys at positions < ``sinks``:
     queries rotated to renumbered positions (attention sinks, see ``cache.policies.sink``).
+    ``in_order`` promises that key slot s holds position s and query t is at position t (a
+    prompt alone in an empty cache): a block of queries then reads only the slots up to its
+    last query, as no later one is visible to it (about half the work of a long prompt).
     The softmax weights exist only for ``QUERY_BLOCK`` queries at a time.
     """
     if kernels.is_packed(k):
@@ -184,12 +188,15 @@ def masked_with_weights(
     for start in range(0, T, QUERY_BLOCK):
         stop = min(start + QUERY_BLOCK, T)
         n = stop - start
-        vis = visibility(q_pos[:, start:stop], k_pos, window, sinks, limit)  # (B, Hp, n, S)
-        scores = q[:, :, start:stop].reshape(B, Hkv, G * n, D) @ kt  # (B, Hkv, G*n, S)
+        # The key slots the block reads: all, or (``in_order``) those up to its last query.
+        R = min(stop, S) if in_order else S
+        kp, kb = k_pos[..., :R], kt[..., :R]
+        vis = visibility(q_pos[:, start:stop], kp, window, sinks, limit)  # (B, Hp, n, R)
+        scores = q[:, :, start:stop].reshape(B, Hkv, G * n, D) @ kb  # (B, Hkv, G*n, R)
         if q_sink is not None:
-            sink_scores = q_sink[:, :, start:stop].reshape(B, Hkv, G * n, D) @ kt
-            scores = torch.where((k_pos < sinks).unsqueeze(2), sink_scores, scores)
-        scores = scores.view(B, Hkv, G, n, S).float()
+            sink_scores = q_sink[:, :, start:stop].reshape(B, Hkv, G * n, D) @ kb
+            scores = torch.where((kp < sinks).unsqueeze(2), sink_scores, scores)
+        scores = scores.view(B, Hkv, G, n, R).float()
         # A large finite fill (not -inf) keeps rows with no visible key (padding) free of NaN.
         # Such a row's weights are uniform, not zero; only padding has one (a real query sees
         # itself), and padding weighs 0 in the totals and its output is never read.
@@ -197,13 +204,13 @@ def masked_with_weights(
         scores = scores.masked_fill_(~vis.unsqueeze(2), torch.finfo(torch.float32).min)
         weights = scores.softmax(-1)
         if outputs:
-            ob = weights.to(v.dtype).view(B, Hkv, G * n, S) @ v
+            ob = weights.to(v.dtype).view(B, Hkv, G * n, R) @ v[:, :, :R]
             out[:, :, start:stop] = ob.view(B, Hq, n, D)
-        # Weighted sums over queries as matrix-vector products: (B, 1, 1, G*n) @ (B, Hkv, G*n, S).
+        # Weighted sums over queries as matrix-vector products: (B, 1, 1, G*n) @ (B, Hkv, G*n, R).
         # (A reduction over the G and query axes of the 5-d weights is several times slower.)
         qw = q_weight[:, start:stop].float()
-        mass += (qw.repeat(1, G)[:, None, None, :] @ weights.view(B, Hkv, G * n, S)).squeeze(2)
-        seen += (qw[:, None, None, :] @ vis.float()).squeeze(2)
+        mass[..., :R] += (qw.repeat(1, G)[:, None, None, :] @ weights.view(B, Hkv, G * n, R)).squeeze(2)
+        seen[..., :R] += (qw[:, None, None, :] @ vis.float()).squeeze(2)
     return out, mass, seen
 
 

@@ -9,6 +9,16 @@ keys. A chunk that fits is fed as it is (nothing to evict, nothing to score: a c
 budget covers the sequence is the dense cache). ``generate`` is ``prefill`` followed by the
 question and greedy decoding.
 
+The scores do not depend on the budget, so one pass can serve caches of several: ``score``
+runs it into a cache with room for the whole context (every token kept, with its score), and
+``take`` fills a cache of any budget with what its own pass would keep, bit for bit:
+
+    scored = kvcache.make_cache(model, "kvzip", cache_length=len(context_ids))
+    logits = kvcache.kvzip.score(model, scored, context_ids, repeat=kvcache.kvzip.repeat_ids(tokenizer))
+    for kept in (512, 1024, 2048):
+        cache = kvcache.make_cache(model, "kvzip", cache_length=kept + 64, reserve=64)
+        kvcache.kvzip.take(cache, scored)           # then feed the question, decode
+
     cache = kvcache.make_cache(model, "kvzip", cache_length=kept + reserve, reserve=reserve)
     tokens = kvcache.kvzip.generate(model, cache, context_ids, question_ids,
                                     repeat=kvcache.kvzip.repeat_ids(tokenizer), max_new_tokens=32)
@@ -78,21 +88,74 @@ def prefill(model, cache: KVCache, context: object, *, repeat: Sequence[int], ch
         if all(int(layer.held.max()) + m <= layer.spec.cache_length for layer in cache.layers):
             logits = model(part, cache, last_only=True)[:, 0]
             continue
-        cue = ids[:, max(0, a - overlap) : a]
-        call = torch.cat((part, rep.expand(B, -1), cue, part), 1)
-        model.check_token_ids(call)  # as forward checks them: model.run below does not
-        for layer in cache.layers:
-            layer.record(m)
-        try:
-            step_ = cache.begin(call, None, model)
-            last = torch.full((B,), m - 1, device=device)
-            logits = model.run(call, step_.positions, cache, step_, last)[:, 0]
-        finally:
-            for layer in cache.layers:
-                layer.record(None)
-        # Only the context counts as seen: the reconstruction was scored and dropped.
-        cache.lengths += m
+        logits = _reconstruct(model, cache, part, rep, ids[:, max(0, a - overlap) : a])
     return logits
+
+
+def _reconstruct(model, cache: KVCache, part: torch.Tensor, rep: torch.Tensor, cue: torch.Tensor) -> torch.Tensor:
+    """One pass: ``part`` (B, m), then the repeat prompt ``rep`` (r,), the ``cue`` (B, c) and
+    ``part`` again, in one call whose layers score ``part`` by its reconstruction and keep the
+    best. Returns the logits (B, vocab) after ``part``'s last token."""
+    B, m = part.shape
+    call = torch.cat((part, rep.expand(B, -1), cue, part), 1)
+    model.check_token_ids(call)  # as forward checks them: model.run below does not
+    for layer in cache.layers:
+        layer.record(m)
+    try:
+        step = cache.begin(call, None, model)
+        last = torch.full((B,), m - 1, device=part.device)
+        logits = model.run(call, step.positions, cache, step, last)[:, 0]
+    finally:
+        for layer in cache.layers:
+            layer.record(None)
+    # Only the context counts as seen: the reconstruction was scored and dropped.
+    cache.lengths += m
+    return logits
+
+
+@torch.inference_mode()
+def score(model, cache: KVCache, context: object, *, repeat: Sequence[int]) -> torch.Tensor:
+    """One reconstruction pass over the whole ``context`` (ids, (rows, n)) into ``cache``, an
+    empty kvzip cache with room for all n tokens, which keeps every one with its score (in a
+    full-precision storage: ``take`` moves the kept tokens as tensors). Returns the logits
+    (rows, vocab) after the context's last token: those of ``prefill`` with ``chunk=None``."""
+    device = model.embed_tokens.weight.device
+    ids = _rows(context, "context", device)
+    rep = _rows(repeat, "repeat", device)[0]
+    _check_cache(cache, ids.shape[0])
+    if int(cache.lengths.max()) != 0:
+        raise ValueError("score fills an empty cache: this one has seen tokens (reset it first)")
+    if cache.cache_length < ids.shape[1]:
+        raise ValueError(f"score keeps the whole context ({ids.shape[1]} tokens): the cache holds "
+                         f"{cache.cache_length}; make it with cache_length={ids.shape[1]}")
+    if cache.layers[0].storage.packed:
+        raise ValueError("score needs a full-precision storage (a quantized one keeps codes whose layout "
+                         "take cannot move); run prefill into each quantized cache instead")
+    return _reconstruct(model, cache, ids, rep, ids[:, :0])
+
+
+@torch.inference_mode()
+def take(cache: KVCache, scored: KVCache) -> None:
+    """Reset ``cache`` (kvzip, full precision) and fill it with what its own ``prefill`` of the
+    context (``chunk=None``) would keep: the best-scored tokens that ``scored`` holds after
+    ``score``, ranked under ``cache``'s own budget and options. ``scored`` is not changed."""
+    _check_cache(scored, scored.batch_size)
+    _check_cache(cache, scored.batch_size)
+    n = scored.lengths
+    if int(n.min()) == 0 or not torch.equal(n, n[:1].expand_as(n)):
+        raise ValueError("take reads a cache filled by score (rows of one context length); this one "
+                         f"has seen {n.tolist()} tokens")
+    if len(cache.layers) != len(scored.layers):
+        raise ValueError(f"the caches have {len(cache.layers)} and {len(scored.layers)} layers: not the same model")
+    if cache.cache_length >= int(n[0]):
+        raise ValueError(f"the cache holds {cache.cache_length} tokens, the whole context ({int(n[0])}): with "
+                         "nothing to evict its own prefill scores nothing; prefill it directly")
+    cache.reset()
+    device = cache.spec.device
+    step = cache.begin(torch.zeros(scored.batch_size, int(n[0]), dtype=torch.long, device=device), None)
+    for layer, source in zip(cache.layers, scored.layers):
+        layer.keep_best(source, step)
+    cache.commit(step)
 
 
 @torch.inference_mode()

@@ -125,6 +125,31 @@ def test_masked_query_blocks(monkeypatch):
     assert torch.allclose(blocked, _reference(q, k, v, q_pos, k_pos, 6), atol=atol("cache"))
 
 
+@pytest.mark.parametrize("window,sinks,limit,renumbered", [(None, 0, None, False), (5, 2, None, True),
+                                                            (None, 0, 7, False), (4, 0, None, False)])
+def test_weights_of_a_prompt_in_order_read_only_the_slots_before_each_block(monkeypatch, window, sinks, limit,
+                                                                             renumbered):
+    """``in_order`` (slot s at position s, a prompt alone in an empty cache): each query block
+    reads the slots up to its last query only, and the outputs and totals are those of every
+    slot read (blocks of 4 queries over 15 slots; slot positions shared by the heads, and per
+    head)."""
+    T = 15
+    q, k, v = _qkv(2, 6, 3, T, T, seed=6)
+    pos = torch.arange(T, device=DEVICE).expand(2, T)
+    q_sink = None
+    if renumbered:
+        q_sink = q.clone()
+        q_sink[:, :, window:] = torch.randn(q[:, :, window:].shape, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    weight = torch.rand(2, T, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    monkeypatch.setattr(attention, "QUERY_BLOCK", 4)
+    rule = dict(window=window, sinks=sinks, limit=limit, q_sink=q_sink)
+    for k_pos in (pos.unsqueeze(1), pos.unsqueeze(1).expand(-1, 3, -1)):
+        want = attention.masked_with_weights(q, k, v, pos, k_pos, weight, **rule)
+        got = attention.masked_with_weights(q, k, v, pos, k_pos, weight, in_order=True, **rule)
+        for a, b in zip(got, want):
+            assert torch.allclose(a, b, atol=atol("cache"))
+
+
 def test_weights_alone_give_the_same_totals():
     """``outputs=False`` skips the outputs and changes nothing in the totals it reports."""
     q, k, v = _qkv(2, 4, 2, 9, 13, seed=3)

@@ -164,7 +164,8 @@ class EvictingCache(LayerCache):
                 _, mass, seen = attention.masked_with_weights(
                     q[:, :, listened], k, v, q_pos[:, listened], k_pos, weight[:, listened], outputs=False, **rule)
                 return out, mass, seen
-        return attention.masked_with_weights(q, k, v, q_pos, k_pos, weight, q_sink=q_sink, outputs=outputs, **rule)
+        return attention.masked_with_weights(q, k, v, q_pos, k_pos, weight, q_sink=q_sink, outputs=outputs,
+                                             in_order=alone, **rule)
 
     def _outputs(self, q, k, v, q_pos, k_pos, step: Step, rule: dict, q_sink=None) -> torch.Tensor:
         """Attention outputs without weights: a prompt alone in an empty cache is causal

@@ -17,8 +17,8 @@ that follow (``reserve``), as kvpress's cache grows; ring policies (window, sink
 count and evict as tokens arrive. Dense is the reference: it keeps everything (ratio 0).
 Policies get the options their paper sets at the kept count (``budget_options``).
 A policy that scores the context by reconstructing it (kvzip) compresses the first chunk through
-``kvcache.kvzip``'s pass (the whole chunk in one pass, repeated after KVzip's prompt), then takes
-the rest and decodes greedily, as ``generate`` does.
+``kvcache.kvzip``'s pass (the whole chunk in one pass, repeated after KVzip's prompt; one pass
+for all the ratios of a sample, shared.py), then takes the rest and decodes as every cell does.
 
 Decoding is greedy, as ``generate``'s, and stops early in one case only: under a metric that more
 text cannot lower (``MONOTONE``), once the prediction scores 100, the score the whole generation
@@ -37,7 +37,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..cache.registry import budget_options, make_cache, policy_class
-from ..kvzip import generate as generate_after_reconstruction
+from ..kvzip import prefill as reconstruct_context
 from ..kvzip import repeat_ids
 from . import dataset as ds
 from . import ruler
@@ -199,22 +199,24 @@ def run_sample(model, tokenizer, sample: Sample, policy: str, ratio: float, prot
     total = len(enc) + sample.max_new_tokens
     ids = enc.ids
     cache = make_cell_cache(model, policy, ratio, first, total)
+    replays = shared.replays if shared is not None else 0
     if ratio > 0 and reconstructs(policy):
         closing = chat_parts(tokenizer)[1] if chat else "\n"
-        new = generate_after_reconstruction(
-            model, cache, ids[:first], ids[first:] or None, repeat=repeat_ids(tokenizer, closing),
-            max_new_tokens=sample.max_new_tokens, chunk=None)[0]
-    else:
+        repeat = repeat_ids(tokenizer, closing)
         if shared is None:
-            device = model.embed_tokens.weight.device
-            logits = model(torch.tensor([ids[:first]], device=device), cache, last_only=True)[:, 0]
+            logits = reconstruct_context(model, cache, [ids[:first]], repeat=repeat, chunk=None)
         else:
-            replays = shared.replays
-            cache, logits = shared.prefill(model, cache, ids[:first], f"{policy} {ratio:g}",
-                                           fresh=lambda: make_cell_cache(model, policy, ratio, first, total))
-            how = "shared" if shared.replays > replays else "own"
-        new = answer(model, cache, logits, ids[first:], sample.max_new_tokens,
-                     finished=lambda tokens: saturated(tokenizer, sample, tokens))
+            cache, logits = shared.reconstructed(model, cache, ids[:first], policy, repeat)
+    elif shared is None:
+        device = model.embed_tokens.weight.device
+        logits = model(torch.tensor([ids[:first]], device=device), cache, last_only=True)[:, 0]
+    else:
+        cache, logits = shared.prefill(model, cache, ids[:first], f"{policy} {ratio:g}",
+                                       fresh=lambda: make_cell_cache(model, policy, ratio, first, total))
+    if shared is not None and shared.replays > replays:
+        how = "shared"
+    new = answer(model, cache, logits, ids[first:], sample.max_new_tokens,
+                 finished=lambda tokens: saturated(tokenizer, sample, tokens))
     prediction = tokenizer.decode(new)
     return {"index": sample.index, "tokens": len(enc), "compressed": first, "generated": len(new),
             "prediction": prediction, "answers": list(sample.answers), "metric": sample.metric,

@@ -21,6 +21,11 @@ the attention outputs, only what it scores the chunk by (snapkv: its window's we
 keydiff, expected_attention: keys and queries), so that a replay costs a small part of a
 prefill; ``tests/eval/test_shared.py`` checks that both replays leave the cache as the policy's
 own prefill does.
+
+A policy that scores a context by reconstructing it (kvzip) shares otherwise: its scores do
+not depend on its budget, so one reconstruction pass a sample (``kvcache.kvzip.score``, into a
+cache that keeps every token) fills the caches of all its ratios (``kvcache.kvzip.take``: what
+each one's own pass would keep, bit for bit).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import kvzip
 from ..cache.base import KVCache, LayerCache, Step
 from ..cache.registry import make_cache
 
@@ -125,6 +131,8 @@ class SharedPrefill:
 
     def __init__(self) -> None:
         self._recorded: Recorded | None = None
+        # The latest reconstruction pass: ((policy, ids, repeat), the scored cache, its logits).
+        self._scored: tuple | None = None
         self.unshared: set[str] = set()
         self.checked: set[str] = set()
         self.seconds = 0.0
@@ -137,6 +145,28 @@ class SharedPrefill:
             self._recorded = record(model, ids)
             self.seconds += time.perf_counter() - start
         return self._recorded
+
+    @torch.inference_mode()
+    def reconstructed(self, model, cache: KVCache, ids: list[int], policy: str,
+                      repeat: list[int]) -> tuple[KVCache, torch.Tensor]:
+        """(cache, logits): the fresh cache of a policy that reconstructs (kvzip) at any budget,
+        filled as its own pass over ``ids`` would fill it, from one pass per chunk and
+        ``policy`` (``kvcache.kvzip.score``, then ``take``: the scores do not depend on the
+        budget); logits (1, vocab) of the chunk's last token. A quantized storage's cache makes
+        its own pass."""
+        if cache.layers[0].storage.packed:
+            return cache, kvzip.prefill(model, cache, [ids], repeat=repeat, chunk=None)
+        key = (policy, tuple(ids), tuple(repeat))
+        if self._scored is None or self._scored[0] != key:
+            self._scored = None  # let the old one go before the new one is made
+            start = time.perf_counter()
+            scored = make_cache(model, policy, cache_length=len(ids))
+            self._scored = (key, scored, kvzip.score(model, scored, [ids], repeat=repeat))
+            self.seconds += time.perf_counter() - start
+        _, scored, logits = self._scored
+        kvzip.take(cache, scored)
+        self.replays += 1
+        return cache, logits
 
     @torch.inference_mode()
     def prefill(self, model, cache: KVCache, ids: list[int], key: str, fresh) -> tuple[KVCache, torch.Tensor]:

@@ -193,10 +193,11 @@ class AttentionRecorder:
             return orig[0](q, k, v, q_pos, k_pos, window=window, sinks=sinks, limit=limit, all_visible=all_visible)
 
         def masked_with_weights(q, k, v, q_pos, k_pos, q_weight, *, window=None, sinks=0, limit=None,
-                                q_sink=None, outputs=True):
+                                q_sink=None, outputs=True, in_order=False):
+            # (``in_order`` skips only slots no query of a block sees: the visibility is k_pos's.)
             record(q_pos, k_pos, window, sinks, limit)
             return orig[1](q, k, v, q_pos, k_pos, q_weight, window=window, sinks=sinks, limit=limit,
-                           q_sink=q_sink, outputs=outputs)
+                           q_sink=q_sink, outputs=outputs, in_order=in_order)
 
         def decode(q, k, v, visible, **kwargs):
             # One query per row, at the row's current length; keys are the first S storage slots.

@@ -224,3 +224,56 @@ def test_the_pass_rejects_ids_outside_the_vocabulary_before_touching_the_cache(l
     with pytest.raises(ValueError, match="outside"):
         kvzip.prefill(llama, cache, ids, repeat=[5, 6])
     assert cache.lengths.tolist() == [0] and bool((cache.layers[0].storage.pos == -1).all())
+
+
+@pytest.mark.parametrize("block", [1, 4])
+def test_one_scored_pass_fills_caches_of_every_budget_as_their_own_passes(llama, block):
+    """``score`` once, then ``take`` into caches of three budgets (with and without sinks and a
+    reserve, two rows): each holds bit for bit what its own ``prefill`` leaves, and a next chunk
+    that fits its reserve gives the same logits."""
+    from conftest import random_ids
+
+    n = 30
+    ctx, rest = random_ids(n, batch=2, seed=31), random_ids(4, batch=2, seed=32)
+    with torch.inference_mode():
+        scored = kvcache.make_cache(llama, "kvzip", cache_length=n, batch_size=2, block=block)
+        logits = kvzip.score(llama, scored, ctx, repeat=REPEAT)
+        for C, reserve, sinks in [(8, 0, 0), (16, 4, 2), (29, 0, 4)]:
+            def make():
+                return kvcache.make_cache(llama, "kvzip", cache_length=C, reserve=reserve, sinks=sinks, batch_size=2,
+                                          block=block)
+
+            own, taken = make(), make()
+            assert torch.equal(kvzip.prefill(llama, own, ctx, repeat=REPEAT, chunk=None), logits)
+            kvzip.take(taken, scored)
+            assert taken.lengths.tolist() == own.lengths.tolist() == [n, n]
+            for a, b in zip(taken.layers, own.layers):
+                assert set(a.state()) == set(b.state())
+                assert all(torch.equal(a.state()[name], b.state()[name]) for name in a.state()), C
+            if reserve >= rest.shape[1]:
+                assert torch.equal(llama(rest, taken), llama(rest, own))
+    assert scored.lengths.tolist() == [n, n]  # take read it and left it as it was
+
+
+def test_score_and_take_refuse_what_they_cannot_do(llama):
+    ctx = context_ids(20)
+    with torch.inference_mode():
+        with pytest.raises(ValueError, match="cache_length=20"):
+            kvzip.score(llama, kvcache.make_cache(llama, "kvzip", cache_length=12), ctx, repeat=REPEAT)
+        with pytest.raises(ValueError, match="full-precision"):
+            kvzip.score(llama, kvcache.make_cache(llama, "kvzip:int8", cache_length=20), ctx, repeat=REPEAT)
+        scored = kvcache.make_cache(llama, "kvzip", cache_length=20)
+        target = kvcache.make_cache(llama, "kvzip", cache_length=8)
+        with pytest.raises(ValueError, match="filled by score"):
+            kvzip.take(target, scored)
+        kvzip.score(llama, scored, ctx, repeat=REPEAT)
+        with pytest.raises(ValueError, match="empty cache"):
+            kvzip.score(llama, scored, ctx, repeat=REPEAT)
+        with pytest.raises(ValueError, match="nothing to evict"):
+            kvzip.take(kvcache.make_cache(llama, "kvzip", cache_length=20), scored)
+        with pytest.raises(ValueError, match="full-precision"):
+            kvzip.take(kvcache.make_cache(llama, "kvzip:int8", cache_length=8), scored)
+        with pytest.raises(ValueError, match="kvzip cache in every layer"):
+            kvzip.take(kvcache.make_cache(llama, "dense", cache_length=8), scored)
+        kvzip.take(target, scored)
+    assert target.lengths.tolist() == [20] and scored.lengths.tolist() == [20]

@@ -91,15 +91,18 @@ def test_replay_takes_a_fresh_one_row_cache(tiny, chunk):
 
 @pytest.mark.parametrize("protocol", ["query_agnostic", "query_aware"])
 def test_cells_run_together_give_the_results_of_cells_run_alone(tiny, tokenizer, protocol):
-    cells = [Cell(p, r, "niah_single_2", 512, protocol, 2) for p, r in SHARING[:3] + NOT_SHARING[:1]]
+    reconstructing = [("kvzip", 0.5), ("kvzip", 0.75), ("kvzip:int8", 0.5)]
+    cells = [Cell(p, r, "niah_single_2", 512, protocol, 2) for p, r in SHARING[:3] + NOT_SHARING[:1] + reconstructing]
     together = run_cells(tiny, tokenizer, cells, BENCH)
     for cell, result in zip(cells, together):
         alone = run_cell(tiny, tokenizer, cell, BENCH)
         assert result["cell"] == alone["cell"] and result["score"] == alone["score"]
         assert [s["prediction"] for s in result["samples"]] == [s["prediction"] for s in alone["samples"]]
         assert {s["prefill"] for s in alone["samples"]} == {"own"}
-    # The sharing cells replay one recording of each sample's chunk; h2o prefills its own.
-    assert [{s["prefill"] for s in r["samples"]} for r in together] == [{"shared"}] * 3 + [{"own"}]
+    # The sharing cells replay one recording of each sample's chunk; h2o prefills its own; kvzip's
+    # ratios take one reconstruction pass a sample, and a quantized kvzip makes its own.
+    assert [{s["prefill"] for s in r["samples"]} for r in together] == \
+        [{"shared"}] * 3 + [{"own"}] + [{"shared"}] * 2 + [{"own"}]
 
 
 def test_run_cells_rejects_cells_with_other_samples(tiny, tokenizer):

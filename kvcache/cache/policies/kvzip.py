@@ -111,6 +111,24 @@ class KVzipCache(EvictingCache):
             prio = prio.masked_fill((c.positions >= 0) & (c.positions < self.options.sinks), PROTECTED)
         return prio
 
+    def keep_best(self, source: "KVzipCache", step: Step) -> None:
+        """Fill this empty layer from ``source``, the same layer of a cache that a reconstruction
+        pass scored while keeping every token (``kvcache.kvzip.score``): its tokens are the
+        candidates, ranked under this layer's budget and options, so the layer keeps what its
+        own pass over the same context would. ``step``: the context as one chunk into this
+        layer's (reset) cache. Full-precision storages only."""
+        if self.storage.packed or source.storage.packed:
+            raise ValueError("keep_best moves tokens as tensors: both layers need a full-precision storage")
+        if bool((self.held > 0).any()):
+            raise ValueError("keep_best fills an empty layer; reset the cache first")
+        n = step.num_tokens
+        if not bool((source.held == n).all()):
+            raise ValueError(f"the source layer holds {source.held.tolist()} tokens, not the context's {n}: "
+                             "it must be scored by a pass that kept every token (kvcache.kvzip.score)")
+        ks, vs, pos = source.storage.view(n)
+        stats = {name: s[:, :, :n].clone() for name, s in source.stats.items()}
+        self._keep(Candidates(ks, vs, pos, stats, ks.new_zeros(ks.shape[0], 1, 0, ks.shape[3]), step), stored=0)
+
     def _reconstruct(self, q, k, v, step: Step, n: int) -> torch.Tensor:
         """One reconstruction call: the chunk's first ``n`` tokens are context, the rest its
         reconstruction. Returns outputs for every token (the next layer needs them all); stores
