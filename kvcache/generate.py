@@ -29,6 +29,39 @@ ProgressCallback = Callable[[int, int], None]
 DEFAULT_PREFILL_CHUNK = 512
 
 
+# decode_loop's hooks: pick(logits (B, vocab)) -> tokens (B,); stopped(row, the row's tokens so far).
+Pick = Callable[[torch.Tensor], torch.Tensor]
+Stopped = Callable[[int, list[int]], bool]
+
+
+def decode_loop(out: list[list[int]], next_logits: torch.Tensor, decode: Callable[[torch.Tensor], torch.Tensor],
+                max_new_tokens: int, pick: Pick, stopped: Stopped) -> list[list[int]]:
+    """The loop after a prefill, one token per row per step, into ``out`` (B empty lists, the
+    caller's: they hold the tokens made so far if a step raises).
+
+    next_logits: (B, vocab) after each row's last prompt token. Each step ``pick``s a token per
+    row, appends it to each row still going, ends a row once ``stopped(row, its tokens)`` (the
+    token is kept), and feeds the tokens back through ``decode`` ((B, 1) -> (B, vocab)) until
+    every row has ended or holds ``max_new_tokens``. Ended rows keep stepping (their tokens are
+    discarded), so every step has the same shape."""
+    done = [False] * len(out)
+    for i in range(max_new_tokens):
+        tokens = pick(next_logits)
+        for b, token in enumerate(tokens.tolist()):
+            if not done[b]:
+                out[b].append(token)
+                done[b] = stopped(b, out[b])
+        if all(done) or i == max_new_tokens - 1:
+            break
+        next_logits = decode(tokens[:, None])
+    return out
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """The most likely token of each row: logits (B, vocab) -> (B,)."""
+    return logits.argmax(-1)
+
+
 def sample(
     logits: torch.Tensor,
     temperature: float,
@@ -340,27 +373,21 @@ def generate(
             seen[b, torch.tensor(p, device=device)] = True
     every_row = torch.arange(B, device=device)
 
+    def pick(logits: torch.Tensor) -> torch.Tensor:
+        if seen is None:
+            return sample(logits, temperature, top_k, top_p, generator)
+        tokens = sample(penalize_repetition(logits, seen, repetition_penalty), temperature, top_k, top_p, generator)
+        seen[every_row, tokens] = True
+        return tokens
+
+    def stopped(b: int, tokens: list[int]) -> bool:
+        if on_token is not None:
+            on_token(b, tokens[-1])
+        return tokens[-1] in stops or bool(strings and any(s in tokenizer.decode(tokens) for s in strings))
+
     out: list[list[int]] = [[] for _ in range(B)]
-    done = [False] * B
     try:
-        for i in range(max_new_tokens):
-            logits = next_logits if seen is None else penalize_repetition(next_logits, seen, repetition_penalty)
-            tokens = sample(logits, temperature, top_k, top_p, generator)
-            host = tokens.tolist()
-            for b in range(B):
-                if done[b]:
-                    continue
-                out[b].append(host[b])
-                if on_token is not None:
-                    on_token(b, host[b])
-                if host[b] in stops or (strings and any(s in tokenizer.decode(out[b]) for s in strings)):
-                    done[b] = True
-            if all(done) or i == max_new_tokens - 1:
-                break
-            if seen is not None:
-                seen[every_row, tokens] = True
-            # Finished rows keep stepping (their tokens are discarded) so every step has the same shape.
-            next_logits = decode(tokens[:, None])
+        decode_loop(out, next_logits, decode, max_new_tokens, pick, stopped)
     except Exception as e:
         made = sum(map(len, out))
         if made == 0:

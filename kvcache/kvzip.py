@@ -35,6 +35,7 @@ import torch
 
 from .cache.base import KVCache
 from .cache.policies.kvzip import KVzipCache
+from .generate import decode_loop, greedy
 
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
 
@@ -181,16 +182,5 @@ def generate(model, cache: KVCache, context: object, rest: object = None, *, rep
     logits = prefill(model, cache, ids, repeat=repeat, chunk=chunk)
     if tail is not None:
         logits = model(tail, cache, last_only=True)[:, 0]
-    B = ids.shape[0]
-    out: list[list[int]] = [[] for _ in range(B)]
-    done = [False] * B
-    for i in range(max_new_tokens):
-        tokens = logits.argmax(-1)
-        for b, t in enumerate(tokens.tolist()):
-            if not done[b]:
-                out[b].append(t)
-                done[b] = t in stops
-        if all(done) or i == max_new_tokens - 1:
-            break
-        logits = model(tokens[:, None], cache)[:, -1]
-    return out
+    return decode_loop([[] for _ in range(ids.shape[0])], logits, lambda tokens: model.decode(tokens, cache),
+                       max_new_tokens, greedy, lambda b, tokens: tokens[-1] in stops)

@@ -37,6 +37,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..cache.registry import budget_options, make_cache, policy_class
+from ..generate import decode_loop, greedy
 from ..kvzip import prefill as reconstruct_context
 from ..kvzip import repeat_ids
 from . import dataset as ds
@@ -177,14 +178,8 @@ def answer(model, cache, logits: torch.Tensor, rest: list[int], max_new_tokens: 
     if rest:
         logits = model(torch.tensor([rest], device=device), cache, last_only=True)[:, 0]
     stops = stop_ids(model)
-    out: list[int] = []
-    for i in range(max_new_tokens):
-        token = logits.argmax(-1)  # (1,)
-        out.append(int(token))
-        if out[-1] in stops or finished(out) or i == max_new_tokens - 1:
-            break
-        logits = model.decode(token[:, None], cache)
-    return out
+    return decode_loop([[]], logits, lambda tokens: model.decode(tokens, cache), max_new_tokens, greedy,
+                       lambda b, tokens: tokens[-1] in stops or finished(tokens))[0]
 
 
 @torch.inference_mode()
