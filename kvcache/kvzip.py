@@ -9,22 +9,23 @@ keys. A chunk that fits is fed as it is (nothing to evict, nothing to score: a c
 budget covers the sequence is the dense cache). ``generate`` is ``prefill`` followed by the
 question and greedy decoding.
 
-The scores do not depend on the budget, so one pass can serve caches of several: ``score``
-runs it into a cache with room for the whole context (every token kept, with its score), and
-``take`` fills a cache of any budget with what its own pass would keep, bit for bit:
-
-    scored = kvcache.make_cache(model, "kvzip", cache_length=len(context_ids))
-    logits = kvcache.kvzip.score(model, scored, context_ids, repeat=kvcache.kvzip.repeat_ids(tokenizer))
-    for kept in (512, 1024, 2048):
-        cache = kvcache.make_cache(model, "kvzip", cache_length=kept + 64, reserve=64)
-        kvcache.kvzip.take(cache, scored)           # then feed the question, decode
-
     cache = kvcache.make_cache(model, "kvzip", cache_length=kept + reserve, reserve=reserve)
     tokens = kvcache.kvzip.generate(model, cache, context_ids, question_ids,
                                     repeat=kvcache.kvzip.repeat_ids(tokenizer), max_new_tokens=32)
 
 Later chunks of a long context are reconstructed after the last ``overlap`` tokens of the chunk
 before (KVzip's cue of where to start). Rows of a batch must have contexts of equal length.
+
+The scores do not depend on the budget, so one pass can serve caches of several: ``score``
+runs it into a cache with room for the whole context (every token kept, with its score), and
+``take`` fills a cache of any budget with what its own pass over the whole context
+(``prefill(..., chunk=None)``) would keep, bit for bit:
+
+    scored = kvcache.make_cache(model, "kvzip", cache_length=len(context_ids))
+    logits = kvcache.kvzip.score(model, scored, context_ids, repeat=kvcache.kvzip.repeat_ids(tokenizer))
+    for kept in (512, 1024, 2048):
+        cache = kvcache.make_cache(model, "kvzip", cache_length=kept + 64, reserve=64)
+        kvcache.kvzip.take(cache, scored)           # then feed the question, decode
 """
 
 from __future__ import annotations
@@ -151,6 +152,9 @@ def take(cache: KVCache, scored: KVCache) -> None:
     if cache.cache_length >= int(n[0]):
         raise ValueError(f"the cache holds {cache.cache_length} tokens, the whole context ({int(n[0])}): with "
                          "nothing to evict its own prefill scores nothing; prefill it directly")
+    if cache.layers[0].storage.packed or scored.layers[0].storage.packed:
+        raise ValueError("take moves tokens as tensors: both caches need a full-precision storage "
+                         "(run prefill into a quantized cache instead)")
     cache.reset()
     device = cache.spec.device
     step = cache.begin(torch.zeros(scored.batch_size, int(n[0]), dtype=torch.long, device=device), None)

@@ -276,4 +276,9 @@ def test_score_and_take_refuse_what_they_cannot_do(llama):
         with pytest.raises(ValueError, match="kvzip cache in every layer"):
             kvzip.take(kvcache.make_cache(llama, "dense", cache_length=8), scored)
         kvzip.take(target, scored)
+        kept = {name: t.clone() for name, t in target.layers[0].state().items()}
+        # A refused take leaves the cache it would have filled as it was.
+        with pytest.raises(ValueError, match="filled by score"):
+            kvzip.take(target, kvcache.make_cache(llama, "kvzip", cache_length=20))
     assert target.lengths.tolist() == [20] and scored.lengths.tolist() == [20]
+    assert all(torch.equal(t, kept[name]) for name, t in target.layers[0].state().items())
