@@ -32,7 +32,7 @@ import hashlib
 import json
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 
@@ -133,12 +133,14 @@ def cell_samples(tokenizer, cell: Cell, bench: Bench) -> list[Sample]:
     return found
 
 
-def make_cell_cache(model, policy: str, ratio: float, first: int, total: int):
-    """A cache that keeps ``int((1 - ratio) * first)`` of the first ``first`` tokens, for ``total``."""
+def make_cell_cache(model, policy: str, ratio: float, first: int, total: int,
+                    options: Mapping[str, object] | None = None):
+    """A cache that keeps ``int((1 - ratio) * first)`` of the first ``first`` tokens, for ``total``.
+    ``options``: the policy's own options, over those its paper sets at that budget."""
     if keeps_all(policy) or ratio == 0:
-        return make_cache(model, policy, cache_length=total)
+        return make_cache(model, policy, cache_length=total, **(options or {}))
     kept = max(1, int(first * (1 - ratio)))
-    options = budget_options(policy, kept)
+    options = {**budget_options(policy, kept), **(options or {})}
     if policy_class(policy).supports_reserve:
         # Capped so that the first chunk still overflows (at kvpress's ratios it never binds).
         reserve = max(0, min(total - first, first - kept - 1))

@@ -67,3 +67,15 @@ def test_the_command_line_runs_kvzip_on_ruler_and_the_passkey_grid_refuses_it(ti
     err = capsys.readouterr().err
     assert "--policies kvzip: a policy that compresses a context by reconstructing it" in err
     assert "--benchmark ruler" in err and not (tmp_path / "p" / "report.json").exists()
+
+
+def test_a_cell_cache_takes_options_over_its_budget_options(tiny):
+    plain = make_cell_cache(tiny, "expected_attention", 0.5, 100, 120)
+    changed = make_cell_cache(tiny, "expected_attention", 0.5, 100, 120, {"covariance": False, "recent": 3})
+    assert plain.cache_length == changed.cache_length and plain.layers[0].spec.reserve == changed.layers[0].spec.reserve
+    assert plain.layers[0].options.covariance and plain.layers[0].options.recent == 0
+    assert not changed.layers[0].options.covariance and changed.layers[0].options.recent == 3
+    # The budget's own options stay unless overridden (4 sinks at 50 kept tokens).
+    assert changed.layers[0].options.sinks == plain.layers[0].options.sinks == 4
+    with pytest.raises(ValueError, match="covariance"):
+        make_cell_cache(tiny, "expected_attention", 0.5, 100, 120, {"covariance": "no"})
