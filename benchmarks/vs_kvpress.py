@@ -45,18 +45,18 @@ Engines on the kvcache side (``--kvcache-engine``):
 Set-up (kvpress 0.5.5 pins transformers < 5.3, so it gets its own virtual environment; kvcache
 installs into the same one, so both engines run in ONE process):
 
-    python3 -m venv /work/kvpress-venv
-    /work/kvpress-venv/bin/pip install torch==2.13.0          # CPU wheel; install torch FIRST
-    /work/kvpress-venv/bin/pip install kvpress==0.5.5 transformers==5.2.0
-    /work/kvpress-venv/bin/pip install safetensors tokenizers tqdm
-    /work/kvpress-venv/bin/pip install -e /work/main --no-deps
+    python3 -m venv kvpress-venv
+    kvpress-venv/bin/pip install torch==2.13.0          # CPU wheel; install torch FIRST
+    kvpress-venv/bin/pip install kvpress==0.5.5 transformers==5.2.0
+    kvpress-venv/bin/pip install safetensors tokenizers tqdm
+    kvpress-venv/bin/pip install -e . --no-deps
 
 Usage:
-    /work/kvpress-venv/bin/python benchmarks/vs_kvpress.py --model DIR [--texts DIR]
+    kvpress-venv/bin/python benchmarks/vs_kvpress.py --model DIR [--texts DIR]
         [--ratios 0.25,0.5,0.75] [--lengths 1024] [--depths 0,0.25,0.5,0.75,1] [--trials 4]
         [--samples 4] [--continuation 64] [--repeats 3] [--presses NAME,...] [--quick]
         [--out FILE.json] [--markdown FILE.md] [--threads 1] [--kvcache-engine native|hf]
-    /work/kvpress-venv/bin/python benchmarks/vs_kvpress.py --make-tiny DIR   # random test model
+    kvpress-venv/bin/python benchmarks/vs_kvpress.py --make-tiny DIR   # random test model
 
 Prints one JSON object on stdout (also to ``--out``); progress goes to stderr.
 """
