@@ -71,6 +71,7 @@ import platform
 import random
 import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -636,7 +637,11 @@ def kvzip_check(model_dir: Path, ids: list[int], ratios: list[float]) -> list[di
     ``int((1 - ratio) * n)`` of kvpress's scores. Without a chat template the press's sinks are
     scored like every other token (its first chunk's scores overwrite the 1.0 it gives them), so
     kvcache runs with ``sinks=0``. ``max_score_diff`` is the largest difference between the two
-    engines' scores of the tokens kvcache keeps."""
+    engines' scores of the tokens kvcache keeps.
+
+    The press reads the tokenizer from the model's ``name_or_path``; with a chat template it
+    would take the ids' first tokens for the template's prefix and reconstruct the rest after the
+    template's closing. These ids are plain text, so it is given the tokenizer without one."""
     import kvpress
     from transformers import AutoModelForCausalLM, DynamicCache
 
@@ -652,28 +657,37 @@ def kvzip_check(model_dir: Path, ids: list[int], ratios: list[float]) -> list[di
     tok = kvcache.load_tokenizer(model_dir)
     x = torch.tensor([ids])
     rows = []
-    for ratio in ratios:
-        press = Recorded(compression_ratio=ratio, layerwise=True)
-        with press(hf):
-            hf(input_ids=x, past_key_values=DynamicCache())
-        theirs = press.recorded[:, 0]  # (layers, Hkv, n)
-        kept = max(1, int(len(ids) * (1 - ratio)))
-        cache = kvcache.make_cache(model, "kvzip", cache_length=kept, sinks=0)
-        kvzip.prefill(model, cache, x, repeat=kvzip.repeat_ids(tok), chunk=None)
-        same = total = 0
-        worst = 0.0
-        for i, layer in enumerate(cache.layers):
-            for h in range(theirs.shape[1]):
-                pos = layer.storage.pos[0, h, :kept]
-                mine = set(pos.tolist())
-                top = set(theirs[i, h].topk(kept).indices.tolist())
-                same += mine == top
-                total += 1
-                diff = (layer.stats["score"][0, h, :kept] - theirs[i, h][pos]).abs().max()
-                worst = max(worst, float(diff))
-        rows.append({"press": "KVzipPress(layerwise=True)", "policy": "kvzip", "options": {"sinks": 0}, "ratio": ratio,
-                     "tokens": len(ids), "kept": kept, "identical_heads": same / total, "max_score_diff": worst})
-        log(f"kvzip {ratio:<5} identical heads {same}/{total}, largest score difference {worst:.2e}")
+    with tempfile.TemporaryDirectory() as plain:
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (Path(model_dir) / name).exists():
+                shutil.copy(Path(model_dir) / name, plain)
+        config = json.loads((Path(plain) / "tokenizer_config.json").read_text())
+        config.pop("chat_template", None)
+        (Path(plain) / "tokenizer_config.json").write_text(json.dumps(config))
+        hf.config.name_or_path = plain
+        for ratio in ratios:
+            press = Recorded(compression_ratio=ratio, layerwise=True)
+            with press(hf):
+                hf(input_ids=x, past_key_values=DynamicCache())
+            theirs = press.recorded[:, 0]  # (layers, Hkv, n)
+            kept = max(1, int(len(ids) * (1 - ratio)))
+            cache = kvcache.make_cache(model, "kvzip", cache_length=kept, sinks=0)
+            kvzip.prefill(model, cache, x, repeat=kvzip.repeat_ids(tok), chunk=None)
+            same = total = 0
+            worst = 0.0
+            for i, layer in enumerate(cache.layers):
+                for h in range(theirs.shape[1]):
+                    pos = layer.storage.pos[0, h, :kept]
+                    mine = set(pos.tolist())
+                    top = set(theirs[i, h].topk(kept).indices.tolist())
+                    same += mine == top
+                    total += 1
+                    diff = (layer.stats["score"][0, h, :kept] - theirs[i, h][pos]).abs().max()
+                    worst = max(worst, float(diff))
+            rows.append({"press": "KVzipPress(layerwise=True)", "policy": "kvzip", "options": {"sinks": 0},
+                         "ratio": ratio, "tokens": len(ids), "kept": kept, "identical_heads": same / total,
+                         "max_score_diff": worst})
+            log(f"kvzip {ratio:<5} identical heads {same}/{total}, largest score difference {worst:.2e}")
     return rows
 
 
