@@ -149,6 +149,14 @@ def take(cache: KVCache, scored: KVCache) -> None:
                          f"has seen {n.tolist()} tokens")
     if len(cache.layers) != len(scored.layers):
         raise ValueError(f"the caches have {len(cache.layers)} and {len(scored.layers)} layers: not the same model")
+    for i, (a, b) in enumerate(zip(cache.layers, scored.layers)):
+        mine, theirs = a.spec, b.spec
+        if (mine.num_kv_heads, mine.head_dim, mine.dtype, mine.device) != \
+                (theirs.num_kv_heads, theirs.head_dim, theirs.dtype, theirs.device):
+            raise ValueError(f"layer {i}: the caches differ in K/V heads, head size, dtype or device "
+                             f"({mine.num_kv_heads}, {mine.head_dim}, {mine.dtype}, {mine.device} against "
+                             f"{theirs.num_kv_heads}, {theirs.head_dim}, {theirs.dtype}, {theirs.device}): "
+                             "not made for the same model")
     if cache.cache_length >= int(n[0]):
         raise ValueError(f"the cache holds {cache.cache_length} tokens, the whole context ({int(n[0])}): with "
                          "nothing to evict its own prefill scores nothing; prefill it directly")

@@ -3,6 +3,8 @@ against explicit attention weights of a no-cache forward over context + repeat p
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -275,6 +277,9 @@ def test_score_and_take_refuse_what_they_cannot_do(llama):
             kvzip.take(kvcache.make_cache(llama, "kvzip:int8", cache_length=8), scored)
         with pytest.raises(ValueError, match="kvzip cache in every layer"):
             kvzip.take(kvcache.make_cache(llama, "dense", cache_length=8), scored)
+        half = copy.deepcopy(llama).to(torch.float16)
+        with pytest.raises(ValueError, match="dtype"):
+            kvzip.take(kvcache.make_cache(half, "kvzip", cache_length=8), scored)
         kvzip.take(target, scored)
         kept = {name: t.clone() for name, t in target.layers[0].state().items()}
         # A refused take leaves the cache it would have filled as it was.

@@ -127,7 +127,9 @@ class KVzipCache(EvictingCache):
                              "it must be scored by a pass that kept every token (kvcache.kvzip.score)")
         ks, vs, pos = source.storage.view(n)
         stats = {name: s[:, :, :n].clone() for name, s in source.stats.items()}
-        self._keep(Candidates(ks, vs, pos, stats, ks.new_zeros(ks.shape[0], 1, 0, ks.shape[3]), step), stored=0)
+        # No queries: kvzip ranks by the scores the pass stored (``priority``), never by a call's queries.
+        no_queries = ks.new_zeros(ks.shape[0], 1, 0, ks.shape[3])
+        self._keep(Candidates(ks, vs, pos, stats, no_queries, step), stored=0)
 
     def _reconstruct(self, q, k, v, step: Step, n: int) -> torch.Tensor:
         """One reconstruction call: the chunk's first ``n`` tokens are context, the rest its
