@@ -126,11 +126,18 @@ def kept_tokens(context: int, ratio: float) -> int:
 
 
 def make_press(pair: Pair, ratio: float):
+    """The press of ``pair`` at ``ratio``; None for "no press"."""
     if pair.press == "no press":
         return None
     import kvpress
 
+    if pair.press == "CriticalKVPress":
+        return kvpress.CriticalKVPress(getattr(kvpress, pair.press_kwargs["press"])(compression_ratio=ratio))
     return getattr(kvpress, pair.press)(compression_ratio=ratio, **pair.press_kwargs)
+
+
+def press_name(pair: Pair) -> str:
+    return f"{pair.press}({pair.press_kwargs['press']})" if pair.press == "CriticalKVPress" else pair.press
 
 
 @contextlib.contextmanager
@@ -568,7 +575,7 @@ def make_tiny(out: Path, tokenizer_dir: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Kept positions: the presses that score keys and values alone, against kvcache's policies
+# Kept positions: what each press keeps of a context, against what its kvcache policy keeps
 
 
 KEPT_PAIRS = [
@@ -582,51 +589,154 @@ KEPT_PAIRS = [
 ]
 
 
-def make_kept_press(pair: Pair, ratio: float):
-    import kvpress
+def kept_pairs(presses: list[str] | None) -> list[Pair]:
+    """Every pair whose press keeps a subset of the context's positions (all but "no press"; KnormPress
+    is in both lists), or those of ``presses``."""
+    return [p for p in PAIRS[1:] + KEPT_PAIRS[1:] if presses is None or p.press in presses]
 
-    if pair.press == "CriticalKVPress":
-        return kvpress.CriticalKVPress(getattr(kvpress, pair.press_kwargs["press"])(compression_ratio=ratio))
-    return getattr(kvpress, pair.press)(compression_ratio=ratio, **pair.press_kwargs)
+
+def _row_hashes(keys: torch.Tensor) -> torch.Tensor:
+    """(Hkv, n) int64: an exact function of each row's bits of float32 keys (Hkv, n, D). Two
+    16-bit halves per element, weighted below 2^20, so the sums cannot overflow."""
+    bits = keys.contiguous().view(torch.int32).long()
+    g = torch.Generator().manual_seed(0)
+    w = torch.randint(1, 1 << 20, (2, keys.shape[-1]), generator=g)
+    return ((bits & 0xFFFF) * w[0] + ((bits >> 16) & 0xFFFF) * w[1]).sum(-1)
+
+
+def kept_positions(full: torch.Tensor, kept: torch.Tensor) -> list[set[int]]:
+    """Per K/V head, the positions of the rows of ``full`` (1, Hkv, n, D) that the rows of
+    ``kept`` (1, Hkv, m, D) are copies of (a press gathers the rows it keeps)."""
+    if full.dtype != torch.float32:
+        raise ValueError(f"kept positions are matched on float32 keys, got {full.dtype}")
+    of_full, of_kept = _row_hashes(full[0]), _row_hashes(kept[0])
+    out = []
+    for h in range(full.shape[1]):
+        order = of_full[h].argsort()
+        at = torch.searchsorted(of_full[h][order], of_kept[h]).clamp(max=full.shape[2] - 1)
+        idx = order[at]
+        if not torch.equal(full[0, h, idx], kept[0, h]):
+            raise RuntimeError(f"head {h}: a kept key is not a copy of any key of the uncompressed prefill")
+        out.append(set(idx.tolist()))
+    return out
 
 
 @torch.inference_mode()
-def kept_check(model_dir: Path, ids: list[int], ratios: list[float]) -> list[dict]:
-    """Per press and ratio: the positions kvpress's press keeps (its ``score`` on the keys and
-    values of transformers' uncompressed forward, top ``int((1 - ratio) * n)`` per layer and K/V
-    head, as ``ScorerPress.compress``) against those kvcache's policy keeps after compressing the
-    same ids in one chunk. ``identical_heads`` is the share of (layer, head) whose kept sets are
-    equal; ``position_overlap`` the share of kvpress's kept positions kvcache keeps too."""
+def press_kept(hf, presses: dict, ids: list[int], eager: bool) -> dict:
+    """{key: [per layer: per K/V head: set of positions]}: what each press of ``presses`` ({key:
+    press}) keeps of ``ids`` in kvpress's pipeline, from ONE uncompressed prefill. Each press's
+    own ``forward_hook`` (the hook ``with press(model)`` registers) runs after every layer on the
+    layer's full keys and values, its compressed cache is read back and the full one restored:
+    within a prefill a press changes no hidden state (the layer's output is computed before it
+    compresses), so every press sees what its own pipeline run would. ``eager``: run the
+    prefill with eager attention, whose weights ObservedAttentionPress reads."""
+    from transformers import DynamicCache
+
+    lm = hf.model
+    for press in presses.values():
+        press.post_init_from_model(hf)
+    kept = {key: [] for key in presses}
+
+    def hook(module, args, kwargs, output):
+        layer = kwargs["past_key_values"].layers[module.layer_idx]
+        full_k, full_v = layer.keys, layer.values
+        for key, press in presses.items():
+            press.forward_hook(module, args, kwargs, output)
+            kept[key].append(kept_positions(full_k, layer.keys))
+            layer.keys, layer.values = full_k, full_v
+        return output
+
+    handles = []
+    try:
+        for block in lm.layers:
+            block.self_attn.rotary_emb = lm.rotary_emb  # as ``with press(model)`` sets it
+            handles.append(block.self_attn.register_forward_hook(hook, with_kwargs=True))
+        with attention(hf, eager):
+            lm(input_ids=torch.tensor([ids]), past_key_values=DynamicCache())
+    finally:
+        for handle in handles:
+            handle.remove()
+    return kept
+
+
+@torch.inference_mode()
+def policy_kept(model, pair: Pair, ratio: float, ids: list[int], shared) -> list[list[set[int]]]:
+    """Per layer, per K/V head: the positions kvcache's policy of ``pair`` keeps after
+    compressing ``ids`` in one chunk to ``int((1 - ratio) * n)`` tokens. ``shared``: a
+    ``kvcache.eval.shared.SharedPrefill``, so the policies that prefill as dense does share one."""
+    kept = kept_tokens(len(ids), ratio)
+
+    def fresh():
+        return kvcache.make_cache(model, pair.policy, cache_length=kept, **pair.options)
+
+    cache, _ = shared.prefill(model, fresh(), ids, f"{press_name(pair)} {ratio:g}", fresh)
+    out = []
+    for layer in cache.layers:
+        pos = layer.storage.pos[0, :, :kept]  # (Hp, kept): one row for all heads, or one a head
+        heads = pos.expand(layer.spec.num_kv_heads, -1)
+        out.append([set(p[p >= 0].tolist()) for p in heads])
+    return out
+
+
+def kept_check(model_dir: Path, contexts: list[tuple[str, list[int]]], ratios: list[float],
+               pairs: list[Pair]) -> list[dict]:
+    """Per context, press and ratio: the positions kvpress's press keeps in its pipeline
+    (``press_kept``) against those kvcache's policy keeps after compressing the same ids in one
+    chunk. ``contexts``: (label, ids). ``identical_heads`` is the share of (layer, K/V head)
+    whose kept sets are equal; ``position_overlap`` the share of kvpress's kept positions
+    kvcache keeps too."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    from kvcache.eval.shared import SharedPrefill
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
     model = kvcache.load(model_dir, dtype=torch.float32)
-    x = torch.tensor([ids])
-    layers = hf(input_ids=x, use_cache=True).past_key_values.layers
     rows = []
-    for pair in KEPT_PAIRS:
-        for ratio in ratios:
-            press = make_kept_press(pair, ratio)
-            kept = max(1, int(len(ids) * (1 - ratio)))
-            cache = kvcache.make_cache(model, pair.policy, cache_length=kept, **pair.options)
-            model(x, cache, last_only=True)
-            same = total = overlap = 0
-            for i, layer in enumerate(layers):
-                attn = hf.model.layers[i].self_attn
-                scores = press.score(attn, None, layer.keys, layer.values, None, {})
-                theirs = scores.topk(kept, dim=-1).indices[0]  # (Hkv, kept)
-                ours = cache.layers[i].storage.pos[0, :, :kept]  # (Hkv, kept)
-                for h in range(theirs.shape[0]):
-                    a, b = set(theirs[h].tolist()), set(ours[h].tolist())
-                    same += a == b
-                    overlap += len(a & b)
-                    total += 1
-            name = f"{pair.press}({pair.press_kwargs['press']})" if pair.press == "CriticalKVPress" else pair.press
-            rows.append({"press": name, "policy": pair.policy, "options": pair.options, "ratio": ratio, "tokens": len(ids),
-                         "kept": kept, "identical_heads": same / total,
-                         "position_overlap": overlap / (total * kept)})
-            log(f"kept {name:<30} {ratio:<5} identical heads {same}/{total}")
+    for label, ids in contexts:
+        shared = SharedPrefill()
+        theirs = {}
+        for eager in (False, True):
+            presses = {(i, r): make_press(p, r) for i, p in enumerate(pairs) if p.eager == eager for r in ratios}
+            if presses:
+                start = time.perf_counter()
+                theirs.update(press_kept(hf, presses, ids, eager))
+                log(f"kept {label}: {len(presses)} kvpress compressions from one "
+                    f"{'eager ' if eager else ''}prefill in {time.perf_counter() - start:.1f}s")
+        for i, pair in enumerate(pairs):
+            for ratio in ratios:
+                start = time.perf_counter()
+                ours = policy_kept(model, pair, ratio, ids, shared)
+                seconds = time.perf_counter() - start
+                same = total = overlap = kept = 0
+                for a_layer, b_layer in zip(theirs[i, ratio], ours, strict=True):
+                    for a, b in zip(a_layer, b_layer, strict=True):
+                        same += a == b
+                        overlap += len(a & b)
+                        kept += len(a)
+                        total += 1
+                rows.append({"context": label, "press": press_name(pair), "policy": pair.policy,
+                             "options": pair.options, "ratio": ratio, "tokens": len(ids),
+                             "kept": kept_tokens(len(ids), ratio), "identical_heads": same / total,
+                             "position_overlap": overlap / kept, "kvcache_s": seconds})
+                log(f"kept {label} {press_name(pair):<30} {ratio:<5} identical heads {same}/{total}, "
+                    f"positions in common {100 * overlap / kept:.2f}%")
     return rows
+
+
+def kept_markdown(rows: list[dict]) -> str:
+    """One line per press and ratio over every context: heads identical, positions in common."""
+    lines = ["| kvpress press | kvcache policy (options) | ratio | contexts | identical (layer, head) | "
+             "positions in common | lowest context |", "|---|---|---:|---:|---:|---:|---:|"]
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["press"], r["policy"], json.dumps(r["options"]), r["ratio"]), []).append(r)
+    for (press, policy, options, ratio), rs in groups.items():
+        opts = ", ".join(f"{k}={v}" for k, v in json.loads(options).items())
+        lines.append(f"| `{press}` | `{policy}({opts})` | {ratio:g} | {len(rs)} | "
+                     f"{100 * mean([r['identical_heads'] for r in rs]):.1f}% | "
+                     f"{100 * mean([r['position_overlap'] for r in rs]):.2f}% | "
+                     f"{100 * min(r['position_overlap'] for r in rs):.2f}% |")
+    return "\n".join(lines) + "\n"
 
 
 @torch.inference_mode()
@@ -726,8 +836,7 @@ def ruler_side_by_side(args) -> dict:
                     prompt, context, n_new = enc.ids, len(enc.context), sample.max_new_tokens
                     kept = context if pair.policy == "dense" else kept_tokens(context, ratio)
                     x = torch.tensor([prompt])
-                    press = None if pair.press == "no press" else (
-                        make_kept_press(pair, ratio) if pair in KEPT_PAIRS else make_press(pair, ratio))
+                    press = make_press(pair, ratio)
                     start = time.perf_counter()
                     with attention(hf, pair.eager):
                         theirs = kvpress_answer(hf, press, x[:, :context], x[:, context:], n_new)
@@ -739,7 +848,7 @@ def ruler_side_by_side(args) -> dict:
                         out[engine][0] += score("string_match_all", tok.decode(answer), sample.answers)
                     same += theirs == ours
                 n = len(found)
-                name = f"{pair.press}({pair.press_kwargs['press']})" if pair.press == "CriticalKVPress" else pair.press
+                name = press_name(pair)
                 rows.append({"press": name, "policy": pair.policy, "ratio": ratio, "task": task, "samples": n,
                              "kvpress_score": out["kvpress"][0] / n, "kvcache_score": out["kvcache"][0] / n,
                              "kvpress_s": out["kvpress"][1], "kvcache_s": out["kvcache"][1],
@@ -796,15 +905,15 @@ def main(argv=None) -> None:
     ap.add_argument("--markdown", type=Path, default=None, help="write the Markdown table here")
     ap.add_argument("--make-tiny", type=Path, default=None, metavar="DIR",
                     help="write a tiny random Llama checkpoint to DIR and exit")
-    ap.add_argument("--tokenizer-from", type=Path, default=ROOT / "data" / "tokenizer",
+    ap.add_argument("--tokenizer-from", type=Path, default=ROOT / "kvcache" / "reference_model",
                     help="tokenizer.json + tokenizer_config.json to copy for --make-tiny")
     ap.add_argument("--ruler", type=lambda v: v.split(","), default=None, metavar="TASK,TASK",
                     help="only run these RULER tasks (kvcache.eval.ruler, at the first --lengths, --samples each) "
                          "through both engines, query-agnostic: per-task scores and seconds")
     ap.add_argument("--kept-check", action="store_true",
-                    help="only compare the kept positions of KnormPress, KeyDiffPress, RandomPress, LagKVPress and "
-                         "CriticalKVPress with kvcache's knorm, keydiff, random, lagkv and critical on the first "
-                         "--lengths tokens of the texts")
+                    help="only compare the positions each press keeps (all but KVzipPress, or --presses) with those "
+                         "its kvcache policy keeps, on the first --lengths tokens of the texts, or with --ruler on "
+                         "the contexts of --samples RULER prompts a task")
     ap.add_argument("--kvzip-check", action="store_true",
                     help="only compare KVzipPress's reconstruction scores and per-head top positions with kvcache's "
                          "kvzip on the first --lengths tokens of the texts (one chunk: at most 2048)")
@@ -822,16 +931,30 @@ def main(argv=None) -> None:
     known = {"dense"} | {p.press for p in PAIRS[1:] + KEPT_PAIRS}
     if args.presses and set(args.presses) - known:
         ap.error(f"unknown presses {sorted(set(args.presses) - known)}; choose from {sorted(known)}")
-    if args.ruler:
+    if args.kept_check:
+        torch.set_num_threads(args.threads)
+        tok = kvcache.load_tokenizer(args.model)
+        if args.ruler:
+            from kvcache.eval import ruler
+            from kvcache.eval.sample import encode
+
+            contexts = [(f"{task}#{s.index}", encode(tok, s).context) for task in args.ruler
+                        for s in ruler.samples(task, tok, args.lengths[0], args.samples, args.seed)]
+        else:
+            contexts = [("texts", read_texts(args.texts, tok)[: args.lengths[0]].tolist())]
+        rows = kept_check(args.model, contexts, args.ratios, kept_pairs(args.presses))
+        report = {"kept_check": rows, "ruler": args.ruler, "length": args.lengths[0], "seed": args.seed,
+                  "torch": torch.__version__}
+        if args.markdown:
+            args.markdown.parent.mkdir(parents=True, exist_ok=True)
+            args.markdown.write_text(kept_markdown(rows))
+            args.markdown = None
+    elif args.ruler:
         report = ruler_side_by_side(args)
         if args.markdown:
             args.markdown.parent.mkdir(parents=True, exist_ok=True)
             args.markdown.write_text(ruler_markdown(report))
             args.markdown = None
-    elif args.kept_check:
-        tok = kvcache.load_tokenizer(args.model)
-        ids = read_texts(args.texts, tok)[: args.lengths[0]].tolist()
-        report = {"kept_check": kept_check(args.model, ids, args.ratios), "torch": torch.__version__}
     elif args.kvzip_check:
         tok = kvcache.load_tokenizer(args.model)
         ids = read_texts(args.texts, tok)[: args.lengths[0]].tolist()
