@@ -155,6 +155,21 @@ def _list(convert):
     return parse
 
 
+def _names(value: str) -> list[str]:
+    """Comma-separated cache names, whose option lists keep their own commas:
+    ``dense,snapkv(window=64,kernel=5)`` -> ["dense", "snapkv(window=64,kernel=5)"]."""
+    names, part, depth = [], "", 0
+    for ch in value:
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            names.append(part)
+            part = ""
+        else:
+            part += ch
+    names.append(part)
+    return [n.strip() for n in names if n.strip()]
+
+
 def _dtype(name: str | None, device: torch.device) -> torch.dtype | None:
     """The --dtype choice; None lets ``load`` choose (float32 on CPU, the checkpoint's own dtype
     elsewhere)."""
@@ -250,8 +265,8 @@ def _add_generate(commands) -> None:
 
     cache = gen.add_argument_group("cache")
     cache.add_argument("--policy", default="dense",
-                       help="cache policy, optionally with a storage: h2o, h2o:int4 (see `kvcache policies`; "
-                            "default: dense)")
+                       help="cache policy, optionally with options and a storage: h2o, h2o:int4, "
+                            "h2o(recent=64):int4 (see `kvcache policies`; default: dense)")
     cache.add_argument("--cache-length", type=cache_length_arg, metavar="N|FRACTION",
                        help="cache slots per layer: a token count (300), or a fraction of the longest prompt with a "
                             "decimal point (0.25; 1.0 is the whole prompt). Default: longest prompt + max new tokens")
@@ -296,8 +311,9 @@ def _add_eval(commands) -> None:
     ev.add_argument("--texts", metavar="DIR",
                     help="held-out .txt files for streaming, passkey filler and RULER's essay haystack (default: the "
                          "ones packaged in kvcache/data/texts)")
-    ev.add_argument("--policies", "--policy", type=_list(str), metavar="A,B",
-                    help="comma-separated (default: all); --policy is the same flag")
+    ev.add_argument("--policies", "--policy", type=_names, metavar="A,B",
+                    help="comma-separated (default: all), each policy[(option=value,...)][:storage], e.g. "
+                         "dense,snapkv,snapkv(window=64,kernel=5):int8; --policy is the same flag")
     ev.add_argument("--budgets", type=_list(float), metavar="F,F",
                     help="fractions of the context KEPT (passkey default: 0.125,0.25,0.5)")
     ev.add_argument("--ratios", type=_list(float), metavar="F,F",

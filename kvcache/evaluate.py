@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .cache.registry import budget_options, check_names, make_cache
+from .cache.registry import budget_options, check_names, make_cache, parse_name
 from .cache.registry import policies as registered_policies
 from .generate import generate
 from .tasks import PASSKEY_QUESTION, TaskMaker
@@ -57,7 +57,7 @@ def _cells(grid: Grid) -> list[tuple[str, float]]:
 
 def _keeps_all(policy: str) -> bool:
     """Dense at any storage (``dense:int4``): it has no budget, it holds the whole context."""
-    return policy.partition(":")[0] == "dense"
+    return parse_name(policy)[0] == "dense"
 
 
 @torch.inference_mode()

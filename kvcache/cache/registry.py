@@ -1,7 +1,10 @@
 """Policy names -> layer cache classes, their typed options, and ``make_cache``.
 
-A cache is named ``policy[:storage]``: ``h2o`` keeps the tokens H2O picks at full precision,
-``h2o:int4`` keeps the tokens it picks as 4-bit codes. Any policy pairs with any storage.
+A cache is named ``policy[(options)][:storage]``: ``h2o`` keeps the tokens H2O picks at full
+precision, ``h2o:int4`` keeps the tokens it picks as 4-bit codes, ``h2o(recent=0,normalize=true)``
+sets two of its options in the name (``name_options``), so that one string names a variant
+wherever a policy is named (``kvcache eval --policies``, ``make_cache``). Any policy pairs with any
+storage.
 
 The built-in policies are found, not listed: every module under ``policies/`` is imported on
 first use and each layer cache class defined there with a ``name`` is registered. Adding a
@@ -14,6 +17,7 @@ import dataclasses
 import importlib
 import inspect
 import pkgutil
+import re
 from typing import Sequence
 
 import torch
@@ -100,24 +104,88 @@ def policy_options(policy: str) -> dict[str, object]:
 
 def budget_options(policy: str, cache_length: int) -> dict[str, object]:
     """Options as ``policy``'s paper sets them for a budget of ``cache_length`` slots (h2o: half
-    the budget recent; snapkv: a window of up to 32; sink: up to 4 sinks). Evaluation and
-    benchmarks use these so that every policy is compared at its intended settings."""
-    return dict(_lookup(parse_name(policy)[0]).options_for_budget(cache_length))
+    the budget recent; snapkv: a window of up to 32; sink: up to 4 sinks), less those the name
+    sets itself (``snapkv(window=64)`` keeps its window). Evaluation and benchmarks use these so
+    that every policy is compared at its intended settings."""
+    named = name_options(policy)
+    scaled = _lookup(parse_name(policy)[0]).options_for_budget(cache_length)
+    return {k: v for k, v in scaled.items() if k not in named}
+
+
+# policy, then optionally (key=value, ...), then optionally :storage
+_NAME = re.compile(r"^([^():]+)(?:\(([^()]*)\))?(?::(.*))?$")
+
+
+def _split(name: str) -> tuple[str, str | None, str | None]:
+    """(policy, the text between the parentheses or None, storage or None); ValueError if the
+    name is not ``policy[(options)][:storage]``."""
+    if not isinstance(name, str):
+        raise ValueError(f"a policy name is a string such as 'h2o' or 'h2o:int4', got {name!r}")
+    found = _NAME.match(name.strip())
+    if found is None:
+        raise ValueError(f"{name!r} is not a cache name: policy[(option=value,...)][:storage], "
+                         "e.g. 'h2o', 'h2o:int4' or 'h2o(recent=0,normalize=true):int4'")
+    policy, options, storage = found.groups()
+    return policy.strip(), options, storage
 
 
 def parse_name(name: str) -> tuple[str, str]:
-    """``"h2o:int4"`` -> ("h2o", "int4"); ``"h2o"`` -> ("h2o", "full"). Raises ValueError on an
-    unknown storage (an unknown policy is reported by ``_lookup``)."""
-    if not isinstance(name, str):
-        raise ValueError(f"a policy name is a string such as 'h2o' or 'h2o:int4', got {name!r}")
-    policy, sep, storage = name.partition(":")
-    if not sep:
+    """``"h2o:int4"`` -> ("h2o", "int4"); ``"h2o"`` and ``"h2o(recent=8)"`` -> ("h2o", "full")
+    (the options: ``name_options``). Raises ValueError on an unknown storage (an unknown policy is
+    reported by ``_lookup``)."""
+    policy, _, storage = _split(name)
+    if storage is None:
         return policy, "full"
     try:
         parse_storage(storage)
     except ValueError as e:
         raise ValueError(f"{e} (in {name!r}: name a cache policy[:storage], e.g. 'h2o:int4')") from None
     return policy, storage
+
+
+def _value(text: str) -> object:
+    """An option value as written in a name: an int, a float, true/false, or else the text."""
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def name_options(name: str) -> dict[str, object]:
+    """The options a cache name sets: ``"snapkv(window=64,kernel=5)"`` -> {"window": 64,
+    "kernel": 5}; {} for a name without parentheses. Values are ints, floats, ``true``/``false``
+    or strings (``fallback=tova``); whether the policy takes them is checked where the cache is
+    made (or by ``check_names``)."""
+    _, text, _ = _split(name)
+    if text is None:
+        return {}
+    options: dict[str, object] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key.isidentifier() or not value:
+            raise ValueError(f"{name!r}: {item!r} is not option=value")
+        if key in options:
+            raise ValueError(f"{name!r}: option {key!r} given twice")
+        options[key] = _value(value)
+    return options
+
+
+def canonical_name(name: str) -> str:
+    """``name`` written one way: its options sorted by name, without spaces, values as
+    ``name_options`` reads them (``"snapkv( window=64 ,kernel=5)"`` -> ``"snapkv(kernel=5,window=64)"``);
+    a name without options is returned as it is."""
+    options = name_options(name)
+    policy, text, storage = _split(name)
+    if text is None:
+        return name
+    shown = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in sorted(options.items()))
+    return f"{policy}({shown})" + (f":{storage}" if storage is not None else "")
 
 
 def check_names(names: Sequence[str], what: str = "policies") -> None:
@@ -128,11 +196,17 @@ def check_names(names: Sequence[str], what: str = "policies") -> None:
     for name in names:
         try:
             policy, _ = parse_name(name)
+            options = name_options(name)
         except ValueError as e:
             problems.append(str(e))
             continue
         if policy not in _POLICIES:
             policies.append(name)
+            continue
+        try:
+            build(policy, _POLICIES[policy].Options, options)
+        except ValueError as e:
+            problems.append(f"{name}: {e}")
     if policies:
         problems.insert(0, f"unknown policy(ies) {', '.join(policies)}; available: {', '.join(sorted(_POLICIES))}")
     if problems:
@@ -167,7 +241,7 @@ def break_even(model: torch.nn.Module, policy: str, *, batch_size: int = 1, larg
         for i, budget in enumerate(layer_budgets(length, model.config.num_layers, "uniform")):
             spec = CacheSpec.for_model(model, batch_size=batch_size, cache_length=budget, storage=stored, layer=i)
             spec = dataclasses.replace(spec, device=torch.device("meta"))
-            total += layer_cache(cls, spec, {}).nbytes()
+            total += layer_cache(cls, spec, name_options(policy)).nbytes()
         return total
 
     def codes(length: int) -> bool:
@@ -227,9 +301,11 @@ def make_cache(
     head its own capacity (see ``adaptive_head_budgets``); each head is then allocated at its own
     size. ``options`` are the policy's own (see ``policy_options``); an option left out takes its
     default, or, if the default does not fit a layer's budget, the value the policy's paper uses
-    at that budget (``budget_options``). ``policy`` may name a storage too, ``"h2o:int4"`` (see
-    ``storages``; default full precision); an ``int<bits>`` storage holds full precision instead on
-a cache too small for its codes to take fewer bytes (``break_even``; ``stored_as`` tells). ``reserve`` (scoring policies: h2o, tova, snapkv, ...)
+    at that budget (``budget_options``). ``policy`` may set options in its name too,
+    ``"snapkv(window=64)"`` (``name_options``; an option set both ways is an error), and may name a
+    storage, ``"h2o:int4"`` (see ``storages``; default full precision); an ``int<bits>`` storage
+    holds full precision instead on a cache too small for its codes to take fewer bytes
+    (``break_even``; ``stored_as`` tells). ``reserve`` (scoring policies: h2o, tova, snapkv, ...)
     makes eviction batched: a layer that overflows keeps ``cache_length - reserve`` tokens, and
     the next ``reserve`` tokens are appended without evicting. With ``cache_length = kept +
     reserve`` a prompt is compressed to ``kept`` tokens once and then grows by up to ``reserve``
@@ -240,6 +316,12 @@ a cache too small for its codes to take fewer bytes (``break_even``; ``stored_as
     policy_name, storage = parse_name(policy)
     cls = _lookup(policy_name)
     options_cls = cls.Options
+    named = name_options(policy)
+    twice = sorted(set(named) & set(options))
+    if twice:
+        raise ValueError(f"{policy!r} sets {', '.join(twice)} in its name, and the same option is given again "
+                         "outside it (a keyword or a flag): set each option once")
+    options = {**named, **options}
     build(policy_name, options_cls, options)  # names, types and choices, before anything else
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")

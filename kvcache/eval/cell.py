@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Mapping, Sequence
@@ -104,7 +105,8 @@ class Cell:
         """A file name that identifies the cell and everything its result depends on."""
         spec = json.dumps([asdict(self), asdict(bench)], sort_keys=True)
         digest = hashlib.sha256(spec.encode()).hexdigest()[:10]
-        policy = self.policy.replace(":", "-")
+        # "h2o:int4" -> "h2o-int4"; a variant's options, "snapkv(window=64)", -> "snapkv-window-64".
+        policy = re.sub(r"[^A-Za-z0-9_.-]+", "-", self.policy).strip("-")
         return f"{self.task}-{self.length}-{self.protocol}-{policy}-{self.ratio:g}-{digest}"
 
     def label(self) -> str:

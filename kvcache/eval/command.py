@@ -52,16 +52,17 @@ def out_dir(path: str, create: bool = True) -> Path:
 
 
 def check_grid(policies, model=None) -> None:
-    """Every policy[:storage] of a grid, before any cell runs: one ValueError naming each unknown
-    policy and storage; with ``model``, also the storages its head size cannot hold."""
-    from ..cache.registry import check_names
+    """Every policy[(options)][:storage] of a grid, before any cell runs: one ValueError naming
+    each unknown policy, option and storage; with ``model``, also the storages its head size
+    cannot hold."""
+    from ..cache.registry import check_names, parse_name
     from ..cache.storage import check_storage
 
     check_names(policies, "--policies")
     if model is not None:
         for name in policies:
-            _, _, storage = name.partition(":")
-            if storage:
+            _, storage = parse_name(name)
+            if storage != "full":
                 try:
                     check_storage(storage, model.config.head_dim)
                 except ValueError as e:
@@ -106,6 +107,7 @@ def _ratios(args) -> list[float]:
 
 
 def _sweep(args, kind: str, out: Path, dtype: torch.dtype | None, progress: bool) -> None:
+    from ..cache.registry import canonical_name
     from ..cache.registry import policies as registered
 
     bench = Bench.make(kind, texts=args.texts, dataset=args.dataset, metric=args.metric, chat=args.chat)
@@ -129,6 +131,8 @@ def _sweep(args, kind: str, out: Path, dtype: torch.dtype | None, progress: bool
         lengths = [0]  # a dataset's prompts are as long as they are
     policies = args.policies or sorted(registered(), key=lambda name: name != "dense")
     check_grid(policies)
+    # One spelling a variant, so that "snapkv(kernel=5, window=64)" finds the cells of "snapkv(window=64,kernel=5)".
+    policies = list(dict.fromkeys(canonical_name(p) for p in policies))
     samples = args.samples or DEFAULT_SAMPLES
     if args.quick:
         tasks, lengths, samples = tasks[:2], [0] if kind == "dataset" else [1024], 1

@@ -180,3 +180,74 @@ def test_explicit_budget_list(four_layers, policy, options):
 def test_bad_allocation_raises(four_layers, allocation):
     with pytest.raises(ValueError, match="budgets|allocation"):
         kvcache.make_cache(four_layers, "window", cache_length=16, allocation=allocation)
+
+
+# --- options in a cache's name: policy(option=value,...)[:storage] --------------------------------
+
+
+@pytest.mark.parametrize("name, policy, storage, options", [
+    ("h2o", "h2o", "full", {}),
+    ("h2o:int4", "h2o", "int4", {}),
+    ("snapkv(window=64,kernel=5,fallback=tova)", "snapkv", "full", {"window": 64, "kernel": 5, "fallback": "tova"}),
+    ("h2o( recent=0 , normalize=True ):int8", "h2o", "int8", {"recent": 0, "normalize": True}),
+    ("expected_attention(epsilon=0.5,covariance=false)", "expected_attention", "full",
+     {"epsilon": 0.5, "covariance": False}),
+    ("sink()", "sink", "full", {}),
+])
+def test_a_name_carries_options_and_a_storage(name, policy, storage, options):
+    from kvcache.cache.registry import name_options, parse_name
+
+    assert parse_name(name) == (policy, storage)
+    found = name_options(name)
+    assert found == options and all(type(found[k]) is type(v) for k, v in options.items())
+
+
+def test_a_name_is_written_one_way():
+    from kvcache.cache.registry import canonical_name
+
+    assert canonical_name("snapkv( window=64 ,kernel=5)") == canonical_name("snapkv(kernel=5,window=64)") \
+        == "snapkv(kernel=5,window=64)"
+    assert canonical_name("h2o(normalize=True,recent=0):int4") == "h2o(normalize=true,recent=0):int4"
+    assert canonical_name("h2o:int4") == "h2o:int4"
+
+
+def _positions(cache) -> list[torch.Tensor]:
+    return [layer.storage.pos.clone() for layer in cache.layers]
+
+
+def test_options_in_the_name_are_the_keyword_options(llama):
+    ids = torch.randint(3, 100, (1, 40), generator=torch.Generator().manual_seed(0)).to(llama.embed_tokens.weight.device)
+    caches = {}
+    for key, name, options in [("name", "snapkv(window=2,kernel=3)", {}), ("keywords", "snapkv", {"window": 2, "kernel": 3}),
+                               ("default", "snapkv", {})]:
+        caches[key] = kvcache.make_cache(llama, name, cache_length=16, **options)
+        llama(ids, caches[key], last_only=True)
+    assert caches["name"].layers[0].options == caches["keywords"].layers[0].options
+    assert caches["name"].layers[0].options.window == 2 and caches["default"].layers[0].options.window != 2
+    assert all(torch.equal(a, b) for a, b in zip(_positions(caches["name"]), _positions(caches["keywords"])))
+    assert not all(torch.equal(a, b) for a, b in zip(_positions(caches["name"]), _positions(caches["default"])))
+    assert caches["name"].policy == "snapkv(window=2,kernel=3)"
+    quantized = kvcache.make_cache(llama, "h2o(recent=4):token8", cache_length=16)
+    assert quantized.layers[0].options.recent == 4 and quantized.layers[0].spec.storage == "token8"
+
+
+def test_an_option_set_twice_or_misnamed_in_a_name_is_refused(llama):
+    from kvcache.cache.registry import check_names
+
+    with pytest.raises(ValueError, match="sets window in its name.*set each option once"):
+        kvcache.make_cache(llama, "snapkv(window=4)", cache_length=16, window=8)
+    for name, message in [("snapkv(windw=4)", "has no option 'windw'"), ("snapkv(window=4.5)", "must be int"),
+                          ("snapkv(window)", "is not option=value"), ("snapkv(window=4", "is not a cache name"),
+                          ("snapkv(window=1,window=2)", "given twice"), ("snapkv(pooling=mean)", "must be one of")]:
+        with pytest.raises(ValueError, match=message):
+            kvcache.make_cache(llama, name, cache_length=16)
+        with pytest.raises(ValueError, match=message):
+            check_names([name])
+
+
+def test_budget_options_leave_what_the_name_sets():
+    from kvcache.cache import budget_options
+
+    assert budget_options("snapkv", 1000) == {"window": 32}
+    assert budget_options("snapkv(window=64)", 1000) == {}
+    assert budget_options("h2o(sinks=2)", 100) == {"recent": 50}

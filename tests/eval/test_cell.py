@@ -79,3 +79,35 @@ def test_a_cell_cache_takes_options_over_its_budget_options(tiny):
     assert changed.layers[0].options.sinks == plain.layers[0].options.sinks == 4
     with pytest.raises(ValueError, match="covariance"):
         make_cell_cache(tiny, "expected_attention", 0.5, 100, 120, {"covariance": "no"})
+
+
+def test_a_cell_cache_keeps_the_options_its_name_sets(tiny):
+    named = make_cell_cache(tiny, "snapkv(window=2,kernel=3)", 0.5, 100, 120)
+    plain = make_cell_cache(tiny, "snapkv", 0.5, 100, 120)
+    assert (named.layers[0].options.window, named.layers[0].options.kernel) == (2, 3)
+    assert plain.layers[0].options.window == 12  # the paper's at 50 kept tokens: a quarter of them
+    assert named.cache_length == plain.cache_length
+
+
+@pytest.mark.cpu_only("the command line loads its model on the CPU by default")
+def test_the_command_line_sweeps_a_variant_named_with_its_options(tiny_dir, tmp_path):
+    import json
+
+    from kvcache.cli import main
+
+    out = tmp_path / "o"
+    assert main(["eval", "--benchmark", "ruler", "--model", str(tiny_dir), "--tasks", "niah_single_1",
+                 "--lengths", "512", "--policies", "snapkv,snapkv(window=2, kernel=3)", "--ratios", "0.5",
+                 "--samples", "1", "--protocols", "query_agnostic", "--threads", "1", "--no-plots",
+                 "--out", str(out)]) == 0
+    results = json.loads((out / "report.json").read_text())["results"]
+    assert {r["cell"]["policy"] for r in results} == {"snapkv", "snapkv(kernel=3,window=2)"}
+    assert "snapkv(kernel=3,window=2)" in (out / "report.md").read_text()
+    names = sorted(p.name for p in (out / "cells").glob("*.json"))
+    assert len(names) == 2 and any(n.startswith("niah_single_1-512-query_agnostic-snapkv-kernel-3-window-2-0.5-")
+                                   for n in names)
+    # The same variant spelled otherwise is the same cell: nothing runs, the report is rewritten.
+    assert main(["eval", "--benchmark", "ruler", "--model", str(tiny_dir), "--tasks", "niah_single_1",
+                 "--lengths", "512", "--policies", "snapkv(kernel=3,window=2)", "--ratios", "0.5",
+                 "--samples", "1", "--protocols", "query_agnostic", "--report-only", "--no-plots",
+                 "--out", str(out)]) == 0

@@ -169,3 +169,11 @@ def test_an_interrupted_cell_keeps_its_finished_samples(tiny, tokenizer, tmp_pat
     assert [outcomes(r) for r in resumed] == [outcomes(r) for r in fresh]
     for r in resumed:
         assert r["samples"][0] == files[sweep.result_path(tmp_path, Cell(**r["cell"]), BENCH).name]["samples"][0]
+
+
+def test_a_cell_file_name_keeps_plain_names_and_spells_out_a_variant():
+    assert Cell("h2o:int4", 0.5, "vt", 1024, "query_agnostic", 3, 0).key(BENCH).startswith(
+        "vt-1024-query_agnostic-h2o-int4-0.5-")
+    variant = Cell("snapkv(kernel=5,window=64):int8", 0.5, "vt", 1024, "query_agnostic", 3, 0)
+    assert variant.key(BENCH).startswith("vt-1024-query_agnostic-snapkv-kernel-5-window-64-int8-0.5-")
+    assert variant.key(BENCH) != Cell("snapkv:int8", 0.5, "vt", 1024, "query_agnostic", 3, 0).key(BENCH)

@@ -20,6 +20,8 @@ def test_a_good_configuration_is_kept_as_given():
     # vLLM stores keys at their true positions: sink positions default to absolute.
     assert dict(config.options) == {"sinks": 64, "positions": "absolute"}
     assert parse({"policy": "window", "cache_length": 64, "block": BLOCK}, BLOCK).options == ()
+    # Options may come in the policy's name, as everywhere a policy is named.
+    assert parse({"policy": "sink(sinks=64)", "cache_length": 1024}, BLOCK) == config
 
 
 @pytest.mark.parametrize("raw, message", [
@@ -39,6 +41,8 @@ def test_a_good_configuration_is_kept_as_given():
     ({"policy": "window", "cache_length": 16}, "block=32 does not fit the window policy's smallest budget"),
     ({"policy": "window", "cache_length": 64, "block": 16}, "block is vLLM's block size here \\(32\\)"),
     ({"policy": "window", "cache_length": 64, "reserve": 8}, "'reserve' is not set through the plugin"),
+    ({"policy": "sink(sinks=4)", "cache_length": 64, "sinks": 8}, "sets sinks in its name and as a key too"),
+    ({"policy": "sink(cache_length=64)"}, "'cache_length' .* is required"),  # a name sets options only
 ])
 def test_a_bad_configuration_says_what_is_wrong(raw, message):
     with pytest.raises(ConfigError, match=r"kvcache vLLM plugin, additional_config\['kvcache'\]: .*" + message):
