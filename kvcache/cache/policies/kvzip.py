@@ -176,11 +176,14 @@ def reconstruction_scores(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor,
     G = Hq // Hkv
     best = q.new_zeros(B, Hkv, scored)
     block = max(1, SCORE_BLOCK // max(1, B * Hq * S))
-    kt = k.transpose(-1, -2).unsqueeze(2)  # (B, Hkv, 1, D, S)
+    kt = k.transpose(-1, -2)  # (B, Hkv, D, S)
     for start in range(0, R, block):
         stop = min(start + block, R)
-        qb = q[:, :, start:stop].reshape(B, Hkv, G, stop - start, D)
-        logits = (qb @ kt) * D**-0.5  # (B, Hkv, G, r, S)
+        r = stop - start
+        # The G query heads of a group as G * r rows of one product: a (G, r) batch against one
+        # key matrix would copy it G times. Scaled in place: no second tensor of weights' size.
+        qb = q[:, :, start:stop].reshape(B, Hkv, G * r, D)
+        logits = (qb @ kt).mul_(D**-0.5).view(B, Hkv, G, r, S)
         seen = visibility(q_pos[:, start:stop], k_pos, None, 0, limit).unsqueeze(2)  # (B, Hp, 1, r, S)
         weights = logits.masked_fill_(~seen, float("-inf")).softmax(-1)
         best = torch.maximum(best, weights[..., :scored].amax(dim=(2, 3)))
