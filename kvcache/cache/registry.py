@@ -189,8 +189,9 @@ def canonical_name(name: str) -> str:
 
 
 def check_names(names: Sequence[str], what: str = "policies") -> None:
-    """Every ``policy[:storage]`` name of ``names`` known, or one ValueError naming each unknown
-    policy and storage (``what``: how the caller's user gave the names, e.g. ``--policies``)."""
+    """Every ``policy[(options)][:storage]`` name of ``names`` known, its options the policy's and
+    of the right types, or one ValueError naming each unknown policy, option and storage
+    (``what``: how the caller's user gave the names, e.g. ``--policies``)."""
     _discover()
     policies, problems = [], []
     for name in names:
