@@ -131,7 +131,7 @@ def _sweep(args, kind: str, out: Path, dtype: torch.dtype | None, progress: bool
         lengths = [0]  # a dataset's prompts are as long as they are
     policies = args.policies or sorted(registered(), key=lambda name: name != "dense")
     check_grid(policies)
-    # One spelling a variant, so that "snapkv(kernel=5, window=64)" finds the cells of "snapkv(window=64,kernel=5)".
+    # One spelling per variant, so that "snapkv(kernel=5, window=64)" finds the cells of "snapkv(window=64,kernel=5)".
     policies = list(dict.fromkeys(canonical_name(p) for p in policies))
     samples = args.samples or DEFAULT_SAMPLES
     if args.quick:
