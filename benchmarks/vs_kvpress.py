@@ -26,6 +26,11 @@ Tasks (query-agnostic, kvpress's protocol: the context is compressed first, then
     wall-clock  one passkey prompt (prefill + compression + question + answer decode) per engine,
                 press and ratio, engines taking turns, best of ``--repeats``.
 
+Other modes, each instead of the tasks above: ``--ruler TASKS`` (RULER prompts through both
+engines: scores, seconds, identical answers), ``--kept-check`` (the positions each press keeps
+against its policy's, per layer and K/V head, on the texts or, with ``--ruler``, on RULER
+contexts) and ``--kvzip-check`` (KVzipPress's scores against kvcache's kvzip).
+
 Ratios are kvpress's ``compression_ratio`` (the fraction REMOVED). Both engines keep
 ``int((1 - r) * context)`` context tokens (kvpress's ``compute_n_kept``). kvpress's DynamicCache
 then grows by the question and answer (or continuation) tokens; kvcache's scoring policies do the
