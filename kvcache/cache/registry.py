@@ -176,6 +176,17 @@ def name_options(name: str) -> dict[str, object]:
     return options
 
 
+def with_name_options(name: str, options: dict[str, object]) -> dict[str, object]:
+    """``options`` with those ``name`` sets (``name_options``) added; ValueError for an option
+    set both in the name and in ``options``."""
+    named = name_options(name)
+    twice = sorted(set(named) & set(options))
+    if twice:
+        raise ValueError(f"{name!r} sets {', '.join(twice)} in its name, and the same option is given again "
+                         "outside it: set each option once")
+    return {**options, **named}
+
+
 def canonical_name(name: str) -> str:
     """``name`` written one way: its options sorted by name, without spaces, values as
     ``name_options`` reads them (``"snapkv( window=64 ,kernel=5)"`` -> ``"snapkv(kernel=5,window=64)"``);
@@ -317,12 +328,7 @@ def make_cache(
     policy_name, storage = parse_name(policy)
     cls = _lookup(policy_name)
     options_cls = cls.Options
-    named = name_options(policy)
-    twice = sorted(set(named) & set(options))
-    if twice:
-        raise ValueError(f"{policy!r} sets {', '.join(twice)} in its name, and the same option is given again "
-                         "outside it (a keyword or a flag): set each option once")
-    options = {**named, **options}
+    options = with_name_options(policy, options)
     build(policy_name, options_cls, options)  # names, types and choices, before anything else
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")

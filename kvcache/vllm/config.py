@@ -16,7 +16,7 @@ import torch
 
 from ..cache.base import CacheSpec, LayerCache
 from ..cache.blocks import check_block
-from ..cache.registry import layer_cache, name_options, parse_name, policy_class
+from ..cache.registry import layer_cache, parse_name, policy_class, with_name_options
 
 # Policies whose kept blocks depend on positions alone, so that vLLM's scheduler (which frees
 # blocks) and its attention metadata (which skips them) decide alike from token counts.
@@ -121,10 +121,6 @@ def _parse(raw: object, block: int) -> PluginConfig:
         raise ValueError(f"'policy' (a string, one of {', '.join(SUPPORTED)}) is required, got {policy!r}")
     name, storage = parse_name(policy)
     cls = policy_class(name)  # an unknown policy: kvcache's message, with the available ones
-    named = name_options(policy)  # "sink(sinks=64)": the same as {"policy": "sink", "sinks": 64}
-    twice = sorted(set(named) & set(given))
-    if twice:
-        raise ValueError(f"{policy!r} sets {', '.join(twice)} in its name and as a key too: set each option once")
     if storage != "full":
         raise ValueError(f"{policy!r}: vLLM keeps keys and values in its own format; name the policy alone ({name!r})")
     if name not in SUPPORTED:
@@ -138,7 +134,9 @@ def _parse(raw: object, block: int) -> PluginConfig:
             raise ValueError(f"{key!r} is not set through the plugin: vLLM schedules requests and lays out their blocks")
     if given.pop("block", block) != block:
         raise ValueError(f"block is vLLM's block size here ({block}): set it with vLLM's block_size, or leave block out")
-    given.update(named)  # after the keys above are taken: a name sets the policy's options only
+    # "sink(sinks=64)" is {"policy": "sink", "sinks": 64}; merged after the keys above are taken,
+    # so that a name sets the policy's options only.
+    given = with_name_options(policy, given)
     if name == "sink":
         # vLLM stores keys rotated at their true positions: sinks keep them.
         given.setdefault("positions", "absolute")

@@ -106,8 +106,12 @@ def test_the_command_line_sweeps_a_variant_named_with_its_options(tiny_dir, tmp_
     names = sorted(p.name for p in (out / "cells").glob("*.json"))
     assert len(names) == 2 and any(n.startswith("niah_single_1-512-query_agnostic-snapkv-kernel-3-window-2-0.5-")
                                    for n in names)
-    # The same variant spelled otherwise is the same cell: nothing runs, the report is rewritten.
+    # The same variant spelled otherwise finds the same cell (--report-only runs none, and fails
+    # when it finds none).
     assert main(["eval", "--benchmark", "ruler", "--model", str(tiny_dir), "--tasks", "niah_single_1",
-                 "--lengths", "512", "--policies", "snapkv(kernel=3,window=2)", "--ratios", "0.5",
+                 "--lengths", "512", "--policies", "snapkv( kernel=3,window=2 )", "--ratios", "0.5",
                  "--samples", "1", "--protocols", "query_agnostic", "--report-only", "--no-plots",
                  "--out", str(out)]) == 0
+    again = json.loads((out / "report.json").read_text())["results"]
+    assert [r["cell"]["policy"] for r in again] == ["snapkv(kernel=3,window=2)"]
+    assert again[0]["samples"] == next(r for r in results if r["cell"]["policy"] != "snapkv")["samples"]
