@@ -228,12 +228,16 @@ def test_bad_tokens_are_rejected_before_the_step(tiny):
 class Recorder:
     """A ``torch.compile`` backend that runs each graph as traced and records its inputs: the name
     of each, whether dynamo passes it as a static address (parameters and buffers are; so must
-    every tensor the cache holds), and which inputs a call mutated (by their version counters:
-    run the step outside inference mode)."""
+    every tensor the cache holds), which inputs a call mutated (by their version counters: run
+    the step outside inference mode), and which inputs overlap in memory another input of a
+    group one of whose members was mutated. AOTAutograd replaces such a group by one "synthetic
+    base" it makes itself, which is no static address, so inductor skips CUDA graphs for the
+    whole step ("mutated inputs") although dynamo marked every member static."""
 
     def __init__(self) -> None:
         self.static: dict[str, bool] = {}
         self.mutated: set[str] = set()
+        self.aliased: set[str] = set()
 
     def __call__(self, gm, example_inputs):
         names = [node.name for node in gm.graph.nodes if node.op == "placeholder"]
@@ -244,7 +248,9 @@ class Recorder:
         def run(*args):
             before = [a._version for a in args]
             out = gm(*args)
-            self.mutated.update(name for name, a, v in zip(names, args, before) if a._version != v)
+            mutated = {name for name, a, v in zip(names, args, before) if a._version != v}
+            self.mutated |= mutated
+            self.aliased |= overlapping_groups(dict(zip(names, args)), mutated)
             return out
 
         return run
@@ -269,8 +275,27 @@ def test_captured_step_reads_and_writes_static_addresses_only(tiny, name, option
     others = {input_name for input_name, static in recorder.static.items() if not static}
     assert others == {"l_tokens_"}, others
     assert not recorder.mutated & others
+    assert recorder.aliased == set(), recorder.aliased
     assert any("device_lengths" in input_name for input_name in recorder.mutated), recorder.mutated
     assert cache.lengths.tolist() == [16, 13] and cache.device_lengths.tolist() == [16, 13]
+
+
+def overlapping_groups(inputs: dict[str, torch.Tensor], mutated: set[str]) -> set[str]:
+    """Names of the inputs that share memory with another input where one of the two is in
+    ``mutated`` (byte ranges of one storage that overlap)."""
+
+    def span(t: torch.Tensor) -> tuple[int, int, int]:
+        last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0)
+        size = t.element_size()
+        return t.untyped_storage().data_ptr(), t.storage_offset() * size, (last + 1) * size
+
+    found: set[str] = set()
+    items = [(name, span(t)) for name, t in inputs.items() if isinstance(t, torch.Tensor) and t.numel()]
+    for i, (a, (pa, sa, ea)) in enumerate(items):
+        for b, (pb, sb, eb) in items[i + 1 :]:
+            if pa == pb and sa < eb and sb < ea and (a in mutated or b in mutated):
+                found |= {a, b}
+    return found
 
 
 class HostCopies(torch.utils._python_dispatch.TorchDispatchMode):

@@ -109,10 +109,19 @@ class EvictingCache(LayerCache):
         # One buffer for all statistics, so the decode step clears and moves them in one call each.
         self._stat_buffer = torch.zeros(len(self.stat_names), spec.batch_size, Hp, spec.cache_length + 1,
                                         device=spec.device)
-        # Views by indexing (not ``unbind``, whose views autograd forbids writing in place).
-        self.stats = {name: self._stat_buffer[i] for i, name in enumerate(self.stat_names)}
         # A policy that does not define ``observe`` (knorm) costs nothing to observe.
         self._observes = type(self).observe is not EvictingCache.observe
+
+    @property
+    def stats(self) -> dict[str, torch.Tensor]:
+        """Each per-slot statistic by name, a (B, Hp, C + 1) float32 view of the one buffer.
+
+        Made at each access rather than kept: a captured step whose inputs were the buffer and
+        views of it would have inputs that alias one another, which AOTAutograd merges into a
+        base of its own making, no static address, and inductor then runs the step without CUDA
+        graphs. Views by indexing (not ``unbind``, whose views autograd forbids writing in place).
+        """
+        return {name: self._stat_buffer[i] for i, name in enumerate(self.stat_names)}
 
     # ----- what a policy defines -------------------------------------------------------------
     def lookback(self) -> int | None:
