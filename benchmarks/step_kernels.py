@@ -10,6 +10,8 @@ layer   One attention layer's decode step at benchmarks/quantized.py's geometry 
         of ``--storages``, beside SDPA over contiguous keys and values of the same shape, and
         SDPA over the very slot views the ``full`` storage attends (a strided slice of its
         buffers): what the cache adds to an attention call, apart from what the call costs.
+        ``--kernel-configs`` profiles each packed storage once per configuration of the Triton
+        decode kernel (slots a block, slots a program, warps, pipeline stages; CUDA only).
 
 For each case: the wall time of a step (median of the profiled steps, the device synchronised
 around each), the kernels a step launches, their device time per step, and the
@@ -19,6 +21,8 @@ CPU time, so a CPU run checks the script rather than says where a GPU's time goe
 
     python benchmarks/step_kernels.py --device cuda --shape 1B --caches dense,tova --compiled
     python benchmarks/step_kernels.py --device cuda --parts layer --storages full,int8,int4
+    python benchmarks/step_kernels.py --device cuda --parts layer --storages int8,int4 \
+        --kernel-configs 64/512/4/3,32/512/4/2,64/1024/8/3,128/2048/8/2
     python benchmarks/step_kernels.py --shape tiny --prompt 64 --steps 3 --layer-tokens 512   # CPU
 """
 
@@ -116,11 +120,43 @@ def model_cases(args, device: torch.device, dtype: torch.dtype) -> dict:
             "cases": out}
 
 
+def kernel_configs(value: str | None, error) -> list[tuple[int, int, int, int]]:
+    """``--kernel-configs``: BLOCK/SPLIT/WARPS/STAGES, comma-separated."""
+    if not value:
+        return []
+    configs = []
+    for item in value.split(","):
+        parts = item.split("/")
+        if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            error(f"--kernel-configs: {item!r} is not BLOCK/SPLIT/WARPS/STAGES (four positive integers)")
+        block, split, warps, stages = map(int, parts)
+        if block < 16 or block & (block - 1) or split % block or warps & (warps - 1):
+            error(f"--kernel-configs: {item!r}: BLOCK a power of two >= 16, SPLIT a multiple of it, WARPS a power of two")
+        configs.append((block, split, warps, stages))
+    return configs
+
+
+def configured(configs: list, device: torch.device):
+    """(label, apply) for each Triton kernel configuration; one unlabelled entry without any."""
+    if not configs or device.type != "cuda":
+        return [("", lambda: None)]
+    from kvcache.kernels import triton_decode
+
+    def setter(block, split, warps, stages):
+        def apply():
+            triton_decode.BLOCK_S, triton_decode.SLOTS_PER_SPLIT = block, split
+            triton_decode.NUM_WARPS, triton_decode.NUM_STAGES = warps, stages
+        return apply
+
+    return [(f" kernel {b}/{s}/{w}/{st}", setter(b, s, w, st)) for b, s, w, st in configs]
+
+
 def layer_cases(args, device: torch.device, dtype: torch.dtype) -> dict:
     """One layer's decode step over each storage, SDPA over the full storage's slot views, and
     SDPA over contiguous tensors of the same shape."""
     B, n, HQ, HKV, D = args.batch, args.layer_tokens, quantized.HQ, quantized.HKV, quantized.D
     out: dict = {}
+    variants = configured(args.configs, device)
     g = torch.Generator(device).manual_seed(1)
     q = torch.randn(B, HQ, 1, D, generator=g, device=device, dtype=dtype)
     k1 = torch.randn(B, HKV, 1, D, generator=g, device=device, dtype=dtype)
@@ -134,8 +170,10 @@ def layer_cases(args, device: torch.device, dtype: torch.dtype) -> dict:
                 layer.attend(q, k1, v1, s)
                 cache.commit(s)
 
-            log(f"layer: {storage}")
-            out[storage] = profile(step, args.steps, device, args.top)
+            for label, apply in variants if layer.storage.packed else [("", lambda: None)]:
+                apply()
+                log(f"layer: {storage}{label}")
+                out[storage + label] = profile(step, args.steps, device, args.top)
             if storage == "full":
                 # The slots a decode step attends after the profiled ones: a strided slice of the buffers.
                 ks, vs, _ = layer.storage.view(int(cache.lengths.max()))
@@ -166,6 +204,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--compiled", action="store_true", help="also the captured decode step of each cache")
     p.add_argument("--layer-tokens", type=int, default=32768, help="tokens a row in the layer part (default 32768)")
     p.add_argument("--storages", default="full,int8,int4", help="storages of the layer part (default full,int8,int4)")
+    p.add_argument("--kernel-configs", default=None, metavar="B/S/W/ST,...",
+                   help="Triton decode kernel configurations to profile each packed storage with (CUDA): "
+                        "slots a block/slots a program/warps/stages, e.g. 64/512/4/3,32/512/4/2")
     p.add_argument("--steps", type=int, default=5, help="profiled steps per case (default 5)")
     p.add_argument("--top", type=int, default=15, help="kernels listed per case (default 15)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
@@ -181,6 +222,7 @@ def run(args, error) -> dict:
         error("--steps and --batch must be >= 1, --prompt >= 2 and --layer-tokens >= 1")
     if args.steps > 62:
         error("--steps: at most 62 (the layer part's cache has 64 slots beyond its tokens; a case runs steps + 1)")
+    args.configs = kernel_configs(args.kernel_configs, error)
     device = parse_device(args.device, error)
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if args.threads:

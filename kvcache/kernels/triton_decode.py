@@ -25,6 +25,9 @@ from ..quant.packed import PackedKeys, PackedValues
 BLOCK_S = 64
 # Slots per program: enough work per program to hide latency, few enough programs to fill the GPU.
 SLOTS_PER_SPLIT = 512
+# Triton's own defaults on CUDA, named so that a run can try others (benchmarks/step_kernels.py).
+NUM_WARPS = 4
+NUM_STAGES = 3
 
 
 @triton.jit
@@ -37,10 +40,16 @@ def _unpack(ptr, s, d, stride_s, BITS: tl.constexpr, mask):
 
 @triton.jit
 def _token_scaled(code, meta_ptr, s, d, stride_s, N: tl.constexpr, D: tl.constexpr, mask):
-    """code * scale + zero with per-token fp16 scales of N groups of D / N channels."""
-    grp = d // (D // N)
-    scale = tl.load(meta_ptr + s * stride_s + grp, mask=mask, other=0.0).to(tl.float32)
-    zero = tl.load(meta_ptr + s * stride_s + N + grp, mask=mask, other=0.0).to(tl.float32)
+    """code * scale + zero with per-token fp16 scales of N groups of D / N channels. s, mask:
+    (BLOCK_S, 1); d: (1, D)."""
+    if N == 1:
+        # One scale and zero a slot: one load each per slot, broadcast over the channels.
+        scale = tl.load(meta_ptr + s * stride_s, mask=mask, other=0.0).to(tl.float32)
+        zero = tl.load(meta_ptr + s * stride_s + 1, mask=mask, other=0.0).to(tl.float32)
+    else:
+        grp = d // (D // N)
+        scale = tl.load(meta_ptr + s * stride_s + grp, mask=mask, other=0.0).to(tl.float32)
+        zero = tl.load(meta_ptr + s * stride_s + N + grp, mask=mask, other=0.0).to(tl.float32)
     return code * scale + zero
 
 
@@ -80,9 +89,18 @@ def _decode_kernel(
         k = _token_scaled(code, km_ptr + b * skm_b + h * skm_h, s2, d[None, :], skm_s, NK, D, m2)
         if KIVI:
             mode = tl.load(mode_ptr + b * smo_b + h * smo_h + s, mask=live, other=1).to(tl.int32)[:, None]
-            ch = ch_ptr + b * sch_b + h * sch_h + (s2 // KGROUP) * sch_g + d[None, :]
-            c_scale = tl.load(ch, mask=m2 & (mode == 0), other=0.0).to(tl.float32)
-            c_zero = tl.load(ch + sch_t, mask=m2 & (mode == 0), other=0.0).to(tl.float32)
+            if KGROUP % BLOCK == 0:
+                # Blocks start at multiples of BLOCK, so the whole block lies in group start // KGROUP:
+                # its scales are one row (1, D), loaded when a slot of the block is in CHANNEL mode
+                # (the group's row exists then).
+                n_channel = tl.sum((m2 & (mode == 0)).to(tl.int32))
+                in_channel = (d[None, :] * 0 + n_channel) > 0
+                ch = ch_ptr + b * sch_b + h * sch_h + (start // KGROUP) * sch_g + d[None, :]
+            else:
+                in_channel = m2 & (mode == 0)
+                ch = ch_ptr + b * sch_b + h * sch_h + (s2 // KGROUP) * sch_g + d[None, :]
+            c_scale = tl.load(ch, mask=in_channel, other=0.0).to(tl.float32)
+            c_zero = tl.load(ch + sch_t, mask=in_channel, other=0.0).to(tl.float32)
             # A CHANNEL key's own scale: minus its per-token scale slot (PackedKeys).
             own = -tl.load(km_ptr + b * skm_b + h * skm_h + s2 * skm_s, mask=m2 & (mode == 0), other=-1.0).to(tl.float32)
             k = tl.where(mode == 0, (code * c_scale + c_zero) * own, k)
@@ -160,6 +178,7 @@ def decode(q: torch.Tensor, k: PackedKeys, v: PackedValues, visible: torch.Tenso
         *((vis.stride(0), vis_h) if visible is not None else (0, 0)),
         D=D, BITS=k.bits, GP=GP, BLOCK=BLOCK_S, NK=k.meta.shape[-1] // 2, NV=v.meta.shape[-1] // 2,
         KIVI=kivi, KGROUP=max(k.group, 1), HAS_VIS=visible is not None, WANT_SCORES=want_mass,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     # Combine the splits (B, H, splits, GP): rescale each to the global max.
     m = m.view(B, H, splits, GP)
