@@ -16,8 +16,9 @@ layer   One attention layer's decode step at benchmarks/quantized.py's geometry 
 For each case: the wall time of a step (median of the profiled steps, the device synchronised
 around each), the kernels a step launches, their device time per step, and the
 ``--top`` kernels by device time (calls and microseconds per step, share). On CUDA the times
-are the kernels' own (CUPTI, CUDA-graph replays included); on the CPU, each operator's own
-CPU time, so a CPU run checks the script rather than says where a GPU's time goes.
+are the kernels' own (CUPTI, CUDA-graph replays included), and ``host_top`` lists the host's
+operators by their own CPU time; on the CPU, each operator's own CPU time, so a CPU run checks
+the script rather than says where a GPU's time goes.
 
     python benchmarks/step_kernels.py --device cuda --shape 1B --caches dense,tova --compiled
     python benchmarks/step_kernels.py --device cuda --parts layer --storages full,int8,int4
@@ -69,8 +70,10 @@ def profile(fn, steps: int, device: torch.device, top: int) -> dict:
             fn()
             sync(device)
             walls.append(time.perf_counter() - start)
-    rows = []
+    rows, host = [], []
     for event in prof.key_averages():
+        if cuda and event.self_cpu_time_total > 0:
+            host.append((event.key, event.count, event.self_cpu_time_total))
         # On CUDA a kernel carries device time of its own and the operators that launched it
         # none; on the CPU every operator's own time, the profiler's wrappers left out.
         us = event.self_device_time_total if cuda else event.self_cpu_time_total
@@ -78,13 +81,20 @@ def profile(fn, steps: int, device: torch.device, top: int) -> dict:
             rows.append((event.key, event.count, us))
     total = sum(us for _, _, us in rows)
     rows.sort(key=lambda r: -r[2])
-    return {
+    report = {
         "step_ms": round(1e3 * statistics.median(walls), 4),
         "timed": "kernels on the device" if cuda else "operators on the CPU",
         "per_step": {"calls": round(sum(c for _, c, _ in rows) / steps, 1), "us": round(total / steps, 1)},
         "top": [{"name": name[:160], "calls": round(count / steps, 2), "us": round(us / steps, 2),
                  "share": round(us / total, 4) if total else 0.0} for name, count, us in rows[:top]],
     }
+    if cuda:
+        # What the host spent per step, by operator: launches, and any planning a backend does
+        # for a shape it has not seen (a step whose wall time far exceeds its kernels' shows it).
+        host.sort(key=lambda r: -r[2])
+        report["host_top"] = [{"name": name[:160], "calls": round(count / steps, 2), "us": round(us / steps, 2)}
+                              for name, count, us in host[:top]]
+    return report
 
 
 def model_cases(args, device: torch.device, dtype: torch.dtype) -> dict:
@@ -175,11 +185,21 @@ def layer_cases(args, device: torch.device, dtype: torch.dtype) -> dict:
                 log(f"layer: {storage}{label}")
                 out[storage + label] = profile(step, args.steps, device, args.top)
             if storage == "full":
-                # The slots a decode step attends after the profiled ones: a strided slice of the buffers.
-                ks, vs, _ = layer.storage.view(int(cache.lengths.max()))
+                # The slots a decode step attends after the profiled ones: a strided slice of the
+                # buffers, of one span, and of a span one slot longer at each call, as in decode
+                # steps (an attention backend that plans per shape plans at every step then).
+                span = int(cache.lengths.max())
+                ks, vs, _ = layer.storage.view(span)
                 qh = q.reshape(B, HKV, HQ // HKV, D)
                 out["sdpa over the full storage's slots"] = profile(lambda: F.scaled_dot_product_attention(qh, ks, vs),
                                                                     args.steps, device, args.top)
+                spans = iter(range(span - args.steps - 1, span + 1))
+
+                def growing():
+                    kg, vg, _ = layer.storage.view(next(spans))
+                    return F.scaled_dot_product_attention(qh, kg, vg)
+
+                out["sdpa over the full storage's slots, one more each call"] = profile(growing, args.steps, device, args.top)
                 kc, vc = ks.contiguous(), vs.contiguous()
                 out["sdpa over contiguous keys and values"] = profile(lambda: F.scaled_dot_product_attention(qh, kc, vc),
                                                                       args.steps, device, args.top)
