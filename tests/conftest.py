@@ -30,6 +30,12 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
+if os.environ.get("KVCACHE_TEST_DEVICE", "cpu").startswith("cpu"):
+    # Triton's kernels (the CUDA decode kernel, tests/kernels/test_triton.py) run in its
+    # interpreter on CPU tensors. Set before anything imports triton: torch's compiler does, and
+    # triton reads the variable once.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import pytest
 import torch
 

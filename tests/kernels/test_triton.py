@@ -7,16 +7,12 @@ present)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 from conftest import DEVICE
 
-if DEVICE.type == "cpu":
-    # Read when triton is imported and when a kernel is decorated.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# On the CPU, tests/conftest.py has set TRITON_INTERPRET before anything imported triton.
 pytest.importorskip("triton")
 
 import kvcache  # noqa: E402
