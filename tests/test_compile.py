@@ -229,10 +229,10 @@ class Recorder:
     """A ``torch.compile`` backend that runs each graph as traced and records its inputs: the name
     of each, whether dynamo passes it as a static address (parameters and buffers are; so must
     every tensor the cache holds), which inputs a call mutated (by their version counters: run
-    the step outside inference mode), and which inputs overlap in memory another input of a
-    group one of whose members was mutated. AOTAutograd replaces such a group by one "synthetic
-    base" it makes itself, which is no static address, so inductor skips CUDA graphs for the
-    whole step ("mutated inputs") although dynamo marked every member static."""
+    the step outside inference mode), and which inputs overlap another input in memory where
+    one of the two was mutated. AOTAutograd replaces inputs that alias a mutated one by one
+    "synthetic base" of its own making, which is no static address, so inductor skips CUDA
+    graphs for the whole step ("mutated inputs") although dynamo marked each of them static."""
 
     def __init__(self) -> None:
         self.static: dict[str, bool] = {}
@@ -250,7 +250,7 @@ class Recorder:
             out = gm(*args)
             mutated = {name for name, a, v in zip(names, args, before) if a._version != v}
             self.mutated |= mutated
-            self.aliased |= overlapping_groups(dict(zip(names, args)), mutated)
+            self.aliased |= overlapping_mutated(dict(zip(names, args)), mutated)
             return out
 
         return run
@@ -280,7 +280,7 @@ def test_captured_step_reads_and_writes_static_addresses_only(tiny, name, option
     assert cache.lengths.tolist() == [16, 13] and cache.device_lengths.tolist() == [16, 13]
 
 
-def overlapping_groups(inputs: dict[str, torch.Tensor], mutated: set[str]) -> set[str]:
+def overlapping_mutated(inputs: dict[str, torch.Tensor], mutated: set[str]) -> set[str]:
     """Names of the inputs that share memory with another input where one of the two is in
     ``mutated`` (byte ranges of one storage that overlap)."""
 
