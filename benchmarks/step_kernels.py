@@ -44,6 +44,7 @@ import kvcache
 import quantized  # benchmarks/quantized.py: the layer geometry and its caches
 from decode import DTYPES, allow_recompiles, build_models, free_memory, parse_device, sync
 from emit import emit
+from kvcache.cache.registry import check_names, parse_name, policy_class
 from kvcache.compile import captured_decode
 
 PARTS = ["model", "layer"]
@@ -112,7 +113,8 @@ def model_cases(args, device: torch.device, dtype: torch.dtype) -> dict:
             for mode in modes:
                 # Room for the warm-up and profiled steps, and the capture's own first step.
                 need = args.prompt + args.steps + 4
-                length = need if name.split(":")[0].split("(")[0] == "dense" else (args.cache_length or args.prompt // 2)
+                evicts = policy_class(parse_name(name)[0]).evicts
+                length = (args.cache_length or args.prompt // 2) if evicts else need
                 cache = kvcache.make_cache(model, name, cache_length=length, batch_size=args.batch)
                 with torch.inference_mode():
                     model(prompt, cache)
@@ -243,6 +245,10 @@ def run(args, error) -> dict:
     if args.steps > 62:
         error("--steps: at most 62 (the layer part's cache has 64 slots beyond its tokens; a case runs steps + 1)")
     args.configs = kernel_configs(args.kernel_configs, error)
+    try:
+        check_names(args.caches.split(","), "--caches")
+    except ValueError as e:
+        error(str(e))
     device = parse_device(args.device, error)
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if args.threads:
