@@ -242,9 +242,12 @@ def run(args, error) -> dict:
         error(f"--parts: unknown {unknown}; choose from {PARTS}")
     if args.steps < 1 or args.batch < 1 or args.prompt < 2 or args.layer_tokens < 1:
         error("--steps and --batch must be >= 1, --prompt >= 2 and --layer-tokens >= 1")
-    if args.steps > 62:
-        error("--steps: at most 62 (the layer part's cache has 64 slots beyond its tokens; a case runs steps + 1)")
     args.configs = kernel_configs(args.kernel_configs, error)
+    # The layer part's cache has 64 slots beyond its tokens, and each packed storage runs steps + 1
+    # steps under every kernel configuration, all on the same cache.
+    if (args.steps + 1) * max(1, len(args.configs)) > 64:
+        error(f"--steps {args.steps} with {len(args.configs)} --kernel-configs: (steps + 1) x configurations "
+              "must be at most 64 (the layer's spare slots)")
     try:
         check_names(args.caches.split(","), "--caches")
     except ValueError as e:
