@@ -19,9 +19,13 @@ from . import devices, gguf
 from .config import ModelConfig
 from .errors import CheckpointError, KVCacheWarning
 from .model import Transformer
+from .quant import int4_linear
 
 # Shipped with the package once the reference model exists; ``load()`` with no source uses it.
 BUNDLED_MODEL = Path(__file__).parent / "reference_model"
+
+# How ``load`` holds the projections' weights: in the model's dtype, or as 4-bit codes.
+WEIGHTS = ("full", "int4")
 
 # Tensors some checkpoints carry that the model recomputes instead.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -117,6 +121,7 @@ def load(
     *,
     dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,
+    weights: str = "full",
 ) -> Transformer:
     """Load a model from a Hugging Face-format checkpoint directory or a GGUF file.
 
@@ -127,8 +132,16 @@ def load(
     (kvcache/gguf.py, which needs the ``gguf`` package). ``device`` defaults to CPU. ``dtype`` (None) defaults to
     float32 on CPU, whose half-precision kernels are slow (the bundled model is stored in
     float16), and to the checkpoint's own dtype elsewhere; ``kvcache generate`` does the same.
-    The model is returned in eval mode.
+    ``weights="int4"`` keeps each attention and MLP projection as 4-bit codes in groups of 32
+    input channels (kvcache/quant/int4_linear.py: a one-token step reads about 8x fewer bytes of
+    them; an approximation, with bfloat16 inputs to those products; CPU only); a GGUF file's
+    Q4_1 blocks come back as the file's own codes. The embedding, head and norms stay in
+    ``dtype``. The model is returned in eval mode.
     """
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights={weights!r}: choose one of {', '.join(map(repr, WEIGHTS))}")
+    if weights == "int4" and device is not None and devices.canonical(device).type != "cpu":
+        raise ValueError(f"weights='int4' runs on the CPU only (torch's int4 kernel); got device {device!s}")
     path = _resolve(source)
     if path.is_file():
         checkpoint = gguf.read(path)
@@ -175,6 +188,8 @@ def load(
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.reset_rope()
+    if weights == "int4":
+        int4_linear.quantize_model(model)
     return model.eval()
 
 

@@ -1,0 +1,195 @@
+"""4-bit weights (kvcache/quant/int4_linear.py): the codes a min-max group of 32 gives back, the
+kernel and the dequantizing path against an explicit reference, and a model loaded with
+``weights="int4"`` against itself cached and uncached and against its float weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import kvcache
+from kvcache.quant.int4_linear import GROUP, KERNEL_MAX_ROWS, Int4Linear
+
+from conftest import atol, max_diff, random_ids
+
+pytestmark = pytest.mark.cpu_only("int4 weights run on torch's CPU int4 kernel only")
+
+# One bfloat16 rounding of a number, relative: the kernel rounds its inputs and its result.
+BF16_REL = 2.0**-8
+
+
+def q4_1_weights(out_features: int, in_features: int, seed: int = 0):
+    """(W, codes): weights made as GGUF's Q4_1 makes them, W = d q + m per group of 32 input
+    channels with fp16 d and m, every group holding codes 0 and 15 (its min and max)."""
+    g = torch.Generator().manual_seed(seed)
+    groups = in_features // GROUP
+    q = torch.randint(0, 16, (out_features, groups, GROUP), generator=g)
+    q[..., 0], q[..., 1] = 0, 15
+    d = (torch.rand(out_features, groups, 1, generator=g) * 0.02 + 1e-3).half().float()
+    m = (-8 * d - torch.rand(out_features, groups, 1, generator=g) * 0.01).half().float()
+    return (d * q + m).reshape(out_features, in_features), q.reshape(out_features, in_features)
+
+
+def linear_of(w: torch.Tensor, bias: torch.Tensor | None = None) -> nn.Linear:
+    layer = nn.Linear(w.shape[1], w.shape[0], bias=bias is not None)
+    with torch.no_grad():
+        layer.weight.copy_(w)
+        if bias is not None:
+            layer.bias.copy_(bias)
+    return layer
+
+
+def codes_of(layer: Int4Linear) -> torch.Tensor:
+    return torch.stack((layer.codes & 15, layer.codes >> 4), -1).reshape(layer.out_features, -1)
+
+
+def test_q4_1_groups_come_back_as_their_own_codes():
+    w, q = q4_1_weights(48, 96)
+    layer = Int4Linear.quantize(linear_of(w))
+    assert torch.equal(codes_of(layer), q.to(torch.uint8))
+    # The rest of the error is the bfloat16 rounding of each group's scale and zero point:
+    # |q - 8| <= 8 scale roundings and one zero rounding, each within 2^-8 relative.
+    d = (w.reshape(48, -1, GROUP).amax(-1) - w.reshape(48, -1, GROUP).amin(-1)) / 15
+    zero = w.reshape(48, -1, GROUP).amin(-1) + 8 * d
+    bound = (8 * d + zero.abs()) * BF16_REL
+    err = (layer.dequantize() - w).abs().reshape(48, -1, GROUP).amax(-1)
+    assert (err <= bound * 1.01 + 1e-9).all()
+
+
+def test_any_weights_come_back_within_half_a_step():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(32, 64, generator=g)
+    layer = Int4Linear.quantize(linear_of(w))
+    groups = w.reshape(32, -1, GROUP)
+    step = (groups.amax(-1) - groups.amin(-1)) / 15
+    err = (layer.dequantize() - w).reshape(32, -1, GROUP).abs().amax(-1)
+    rounding = (8 * step + groups.abs().amax(-1)) * 2.0**-8
+    assert (err <= step / 2 + rounding).all()
+
+
+def test_a_constant_group_comes_back_exactly():
+    w = torch.full((16, 32), 0.375)
+    assert torch.equal(Int4Linear.quantize(linear_of(w)).dequantize(), w)
+
+
+@pytest.mark.parametrize("rows", [1, KERNEL_MAX_ROWS, KERNEL_MAX_ROWS + 1, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_forward_is_the_bfloat16_product_with_the_dequantized_weights(rows, bias):
+    g = torch.Generator().manual_seed(rows)
+    w, _ = q4_1_weights(64, 128, seed=rows)
+    b = torch.randn(64, generator=g) if bias else None
+    layer = Int4Linear.quantize(linear_of(w, b))
+    x = torch.randn(2, rows, 128, generator=g)
+    y = layer(x)
+    assert y.shape == (2, rows, 64) and y.dtype == torch.float32
+    ref = x.to(torch.bfloat16).double() @ layer.dequantize().double().T
+    scale = x.to(torch.bfloat16).double().abs() @ layer.dequantize().double().abs().T
+    if b is not None:
+        ref = ref + b.double()
+    # Result rounded to bfloat16 once, plus float32 sums in another order.
+    assert ((y.double() - ref).abs() <= 2 * BF16_REL * scale + 1e-6).all()
+
+
+def test_a_row_alone_and_in_a_prefill_agree():
+    """The kernel (a decode step's rows) and the dequantizing path (a prefill's) compute the
+    same bfloat16 numbers, so a row's output does not depend on which path ran it."""
+    w, _ = q4_1_weights(64, 128, seed=3)
+    layer = Int4Linear.quantize(linear_of(w))
+    x = torch.randn(KERNEL_MAX_ROWS * 4, 128, generator=torch.Generator().manual_seed(3))
+    together = layer(x)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
+    assert max_diff(together, alone) <= 2 * BF16_REL * together.abs().max().item()
+
+
+def test_bad_layers_are_refused_with_the_reason():
+    with pytest.raises(ValueError, match="in_features a multiple of 32"):
+        Int4Linear.quantize(nn.Linear(48, 32))
+    with pytest.raises(ValueError, match="out_features of 16"):
+        Int4Linear.quantize(nn.Linear(64, 24))
+    with pytest.raises(ValueError, match="on the CPU"):
+        Int4Linear.quantize(nn.Linear(64, 32, device="meta"))
+
+
+def test_state_dict_round_trip_rebuilds_the_kernel_codes():
+    w, _ = q4_1_weights(32, 64, seed=5)
+    a = Int4Linear.quantize(linear_of(w))
+    b = Int4Linear.quantize(linear_of(torch.zeros(32, 64)))
+    assert set(a.state_dict()) == {"codes", "scales_zeros"}
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(1, 64)
+    assert torch.equal(a(x), b(x))
+
+
+# ---- a model with int4 weights -------------------------------------------------------------------
+
+
+def as_q4_1(w: torch.Tensor) -> torch.Tensor:
+    """``w`` rounded as GGUF's Q4_1 rounds it: per group of 32 input channels, fp16 d = range / 15
+    and m = min, codes round((w - m) / d) in [0, 15]; the weights d q + m."""
+    groups = w.reshape(w.shape[0], -1, GROUP)
+    m = groups.amin(-1, keepdim=True).half().float()
+    d = ((groups.amax(-1, keepdim=True) - m) / 15).half().float()
+    q = torch.round((groups - m) / d).clamp(0, 15)
+    return (d * q + m).reshape(w.shape)
+
+
+@pytest.fixture(scope="module")
+def int4_pair(tmp_path_factory):
+    """The llama test model with its projections rounded as a Q4_1 file holds them, loaded with
+    float weights and with ``weights="int4"``."""
+    from conftest import build_hf_model
+
+    hf = build_hf_model("llama")
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("proj.weight"):
+                p.copy_(as_q4_1(p))
+    path = tmp_path_factory.mktemp("int4_llama")
+    hf.save_pretrained(path)
+    return kvcache.load(path, device="cpu"), kvcache.load(path, device="cpu", weights="int4")
+
+
+def test_load_replaces_the_projections_only(int4_pair):
+    full, packed = int4_pair
+    kinds = {type(m).__name__ for m in packed.modules()}
+    assert "Int4Linear" in kinds
+    assert all(type(m) is not nn.Linear for m in packed.layers.modules())
+    assert type(packed.lm_head) is nn.Linear
+    assert torch.equal(packed.embed_tokens.weight, full.embed_tokens.weight)
+
+
+def test_int4_logits_stay_near_the_float_model(int4_pair):
+    full, packed = int4_pair
+    ids = random_ids(48, device="cpu")
+    with torch.inference_mode():
+        a, b = full(ids, None), packed(ids, None)
+    # Weights on a Q4_1 grid come back as their own codes: what is left is bfloat16's rounding
+    # of the projections' inputs, outputs, scales and zero points.
+    assert max_diff(a, b) <= atol("precision", torch.bfloat16)
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean().item() >= 0.9
+
+
+def test_int4_cached_decode_matches_its_own_forward(int4_pair):
+    _, packed = int4_pair
+    ids = random_ids(40, device="cpu")
+    cache = kvcache.make_cache(packed, "dense", cache_length=64)
+    with torch.inference_mode():
+        whole = packed(ids, None)
+        steps = [packed(ids[:, :24], cache)]
+        steps += [packed(ids[:, t : t + 1], cache) for t in range(24, 40)]
+    assert max_diff(torch.cat(steps, 1), whole) <= atol("cache", torch.bfloat16)
+
+
+def test_int4_generate_eager_and_compiled_agree(int4_pair):
+    _, packed = int4_pair
+    ids = random_ids(20, device="cpu").tolist()
+    eager = kvcache.generate(packed, ids, max_new_tokens=6)
+    assert kvcache.generate(packed, ids, max_new_tokens=6, compile=True) == eager
+
+
+def test_load_refuses_bad_weights_before_reading(tmp_path):
+    with pytest.raises(ValueError, match="weights='int3'"):
+        kvcache.load(tmp_path / "missing", weights="int3")
+    with pytest.raises(ValueError, match="CPU only"):
+        kvcache.load(tmp_path / "missing", weights="int4", device="meta")
