@@ -215,6 +215,19 @@ def kvcache_sharing(hf) -> kvcache.Transformer:
     return kv.eval()
 
 
+def int4_copy(kv: kvcache.Transformer) -> kvcache.Transformer:
+    """A second kvcache model over ``kv``'s tensors with its projections as 4-bit codes
+    (``kvcache.load(..., weights="int4")``'s layers); ``kv`` is left as it is."""
+    from kvcache.quant.int4_linear import quantize_model
+
+    with torch.device("meta"):
+        copy = kvcache.Transformer(kv.config)
+    copy.load_state_dict(kv.state_dict(), strict=True, assign=True)
+    copy.reset_rope()
+    quantize_model(copy)
+    return copy.eval()
+
+
 def weight_bytes_per_token(kv_model: torch.nn.Module) -> int:
     """Bytes of weights one decode step reads: everything but the embedding table, plus one row of it."""
     emb = kv_model.embed_tokens.weight
@@ -522,6 +535,8 @@ def bench_shape(name: str, hf, kv, bandwidth: float, args, batch: int = 1) -> di
 
     load_before = os.getloadavg()
     engines = {"kvcache": (run_kvcache, kv, n), "transformers": (run_transformers, hf, n_hf)}
+    if args.int4_weights:
+        engines["kvcache_int4"] = (run_kvcache, int4_copy(kv), n)
     if args.compiled:
         engines["kvcache_compiled"] = (run_kvcache_compiled, kv, n)
         engines["transformers_static_compiled"] = (
@@ -547,10 +562,18 @@ def bench_shape(name: str, hf, kv, bandwidth: float, args, batch: int = 1) -> di
     load_after = os.getloadavg()
 
     kt, ht = k_res.pop("tokens"), h_res.pop("tokens")
-    common = min(len(kt), len(ht))
-    agree = 0
-    while agree < common and kt[agree] == ht[agree]:
-        agree += 1
+    common, agree = agreement(kt, ht)
+    int4 = {}
+    if args.int4_weights:
+        k4 = res["kvcache_int4"]
+        compared, agreed = agreement(k4.pop("tokens"), ht)
+        int4 = {
+            "kvcache_int4": k4,
+            "decode_ratio_kvcache_int4_over_transformers": k4["decode_tok_s"] / h_res["decode_tok_s"],
+            "decode_ratio_kvcache_int4_over_kvcache": k4["decode_tok_s"] / k_res["decode_tok_s"],
+            "greedy_agree_prefix_int4": agreed,
+        }
+        log(f"  => int4 weights: decode {k4['decode_tok_s']:.1f} tok/s, greedy agree {agreed}/{compared} with transformers")
 
     device = model_device(kv)
     emb = kv.embed_tokens.weight
@@ -586,6 +609,7 @@ def bench_shape(name: str, hf, kv, bandwidth: float, args, batch: int = 1) -> di
         "prefill_ratio_kvcache_over_transformers": k_res["prefill_tok_s"] / h_res["prefill_tok_s"],
         "decode_ratio_kvcache_over_transformers": ratio,
         **compiled,
+        **int4,
         "floor_decode_ratio": floor,
         "floor_pass": None if floor is None else ratio >= floor,
         "roofline": {
@@ -616,6 +640,15 @@ def bench_shape(name: str, hf, kv, bandwidth: float, args, batch: int = 1) -> di
     return out
 
 
+def agreement(a: list[int], b: list[int]) -> tuple[int, int]:
+    """(tokens compared, length of the common prefix) of two greedy continuations."""
+    common = min(len(a), len(b))
+    agree = 0
+    while agree < common and a[agree] == b[agree]:
+        agree += 1
+    return common, agree
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default=",".join(DEFAULT_SHAPES),
@@ -634,6 +667,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     p.add_argument("--compiled", action="store_true",
                    help="also time kvcache with compile=True and transformers' static cache with a compiled forward")
+    p.add_argument("--int4-weights", action="store_true",
+                   help="also time kvcache with its projections as 4-bit codes (kvcache.load(weights='int4'); "
+                        "CPU only) against the same transformers run")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     return p
 
@@ -686,6 +722,8 @@ def run(args, error, on_cell=None, models: dict | None = None) -> dict:
         error("--new-tokens must be >= 2 (decode time is measured between the first and last token)")
     if args.hf_new_tokens is not None and args.hf_new_tokens < 2:
         error("--hf-new-tokens must be >= 2")
+    if args.int4_weights and device.type != "cpu":
+        error("--int4-weights runs on the CPU only (torch's int4 kernel)")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.compiled:

@@ -22,7 +22,7 @@ from tqdm import tqdm
 from . import __version__, load, load_tokenizer, make_cache, option_info, policies, storages
 from .cache import budget_options
 from .cache.registry import break_even, stored_as
-from .checkpoint import Tokenizer, generation_config
+from .checkpoint import WEIGHTS, Tokenizer, generation_config
 from .errors import GenerationError, KVCacheError, KVCacheWarning
 from .memory import human
 from .generate import DEFAULT_PREFILL_CHUNK, generate, truncate_at_stop
@@ -236,7 +236,7 @@ def _add_generate(commands) -> None:
     io.add_argument("--system", metavar="TEXT", help="a system message before the prompt (implies --chat)")
     io.add_argument("--json", action="store_true",
                     help="print one JSON object per prompt (prompt, prompt_tokens, tokens, text, prefill_s, "
-                         "decode_s, prefill_tok_s, decode_tok_s, compile_s, cache_bytes, storage, threads) instead "
+                         "decode_s, prefill_tok_s, decode_tok_s, compile_s, cache_bytes, storage, weights, threads) instead "
                          "of the text; with --compile, decode_s and decode_tok_s leave out the step that compiled "
                          "(compile_s)")
     io.add_argument("--quiet", action="store_true", help="no progress bar or summary on stderr")
@@ -245,6 +245,9 @@ def _add_generate(commands) -> None:
     model.add_argument("--model", metavar="PATH", help="Hugging Face-format checkpoint directory or GGUF file (default: bundled)")
     model.add_argument("--dtype", choices=DTYPES, help="default: float32 on CPU, the checkpoint's elsewhere")
     model.add_argument("--device", type=_device, default="cpu", help="e.g. cpu, cuda, cuda:1 (default: cpu)")
+    model.add_argument("--weights", choices=WEIGHTS, default="full",
+                       help="int4: hold the attention and MLP projections as 4-bit codes in groups of 32 (a GGUF "
+                            "file's Q4_1 codes as they are; CPU only; an approximation, see docs/gguf.md) (default: full)")
     model.add_argument("--threads", type=_int_at_least(1), metavar="N", help=THREADS_HELP)
 
     decoding = gen.add_argument_group("decoding")
@@ -618,7 +621,7 @@ def _generate(args: argparse.Namespace) -> None:
         warnings.warn(f"the prompt is empty{' (whitespace only)' if prompts[0] else ''}: the model continues from "
                       f"{start}{' and the whitespace' if prompts[0] else ''}; give a PROMPT (- reads it from stdin)",
                       KVCacheWarning)
-    model = load(args.model, dtype=_dtype(args.dtype, args.device), device=args.device)
+    model = load(args.model, dtype=_dtype(args.dtype, args.device), device=args.device, weights=args.weights)
     threads_for_model(model)
     longest = max(map(len, ids))
     cache_length = longest + max_new if args.cache_length is None else args.cache_length
@@ -673,7 +676,7 @@ def _generate(args: argparse.Namespace) -> None:
 
     texts = [truncate_at_stop(tokenizer.decode(row), stop_strings) for row in new]
     if args.json:
-        _print_json(prompts, ids, new, texts, clock, end, cache, failure, reused)
+        _print_json(prompts, ids, new, texts, clock, end, cache, failure, reused, args.weights)
     elif stream is not None:
         stream.finish()
         sys.stdout.write("\n")
@@ -724,7 +727,7 @@ def _compile_s(cache) -> float | None:
 
 
 def _print_json(prompts, ids, new, texts, clock: Clock, end: float, cache, failure,
-                reused: list[int] | None = None) -> None:
+                reused: list[int] | None = None, weights: str = "full") -> None:
     prefill_s = clock.prefill_s(end)
     prefill_rate = _per_second(sum(map(len, ids)), prefill_s)
     compile_s = _compile_s(cache)
@@ -745,6 +748,7 @@ def _print_json(prompts, ids, new, texts, clock: Clock, end: float, cache, failu
             "compile_s": compile_s,
             "cache_bytes": cache.nbytes(),
             "storage": cache.spec.storage,
+            "weights": weights,
             "threads": torch.get_num_threads(),
         }
         if reused is not None:

@@ -266,6 +266,21 @@ def test_json_gives_one_object_per_prompt(model_dir, capsys):
     assert "tok/s" in err  # the summary still goes to stderr
 
 
+@pytest.mark.cpu_only("int4 weights run on the CPU only")
+def test_weights_int4_generates_what_the_api_does_with_them(model_dir, capsys):
+    args = ["generate", PROMPT, "--model", str(model_dir), "--max-new-tokens", "5", "--json", "--quiet",
+            "--weights", "int4"]
+    assert main(args) == 0
+    [record] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    tokenizer = kvcache.load_tokenizer(model_dir)
+    model = kvcache.load(model_dir, weights="int4")
+    assert record["weights"] == "int4"
+    assert record["tokens"] == kvcache.generate(model, tokenizer.encode(PROMPT), max_new_tokens=5)
+    with pytest.raises(SystemExit):
+        main(["generate", PROMPT, "--model", str(model_dir), "--weights", "int3"])
+    assert "--weights" in capsys.readouterr().err
+
+
 def test_prompts_file_runs_one_ragged_batch(model_dir, tmp_path, capsys):
     prompts = ["the cat sat", "", "a dog ran in the park and the cat sat on the mat"]
     file = tmp_path / "prompts.txt"

@@ -109,3 +109,46 @@ def test_it_answers(models, tokenizers):
                                            add_generation_prompt=True)
     out = kvcache.generate(models[0], prompt, max_new_tokens=12, stop_tokens=(tokenizer.eos_token_id,))
     assert "Paris" in tokenizer.decode(out)
+
+
+# ---- weights="int4": the file's own 4-bit codes -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def int4_model():
+    return kvcache.load(FILE, device="cpu", weights="int4")
+
+
+def _q4_1_codes(name: str) -> torch.Tensor:
+    """The codes of the file's Q4_1 tensor ``name`` (rows, columns) uint8, read from its blocks:
+    fp16 d, fp16 m, then 16 bytes holding element j in the low nibble of byte j and element
+    j + 16 in the high one."""
+    import gguf
+
+    [tensor] = [t for t in gguf.GGUFReader(FILE).tensors if t.name == name]
+    assert tensor.tensor_type == gguf.GGMLQuantizationType.Q4_1
+    blocks = torch.from_numpy(tensor.data.copy()).reshape(tensor.data.shape[0], -1, 20)[..., 4:]
+    return torch.cat((blocks & 15, blocks >> 4), -1).reshape(tensor.data.shape[0], -1)
+
+
+@pytest.mark.cpu_only("int4 weights run on the CPU only")
+@pytest.mark.parametrize("gguf_name,module", [("blk.0.attn_v.weight", "self_attn.v_proj"),
+                                              ("blk.7.ffn_down.weight", "mlp.down_proj"),
+                                              ("blk.29.ffn_gate.weight", "mlp.gate_proj")])
+def test_int4_weights_are_the_files_own_codes(int4_model, gguf_name, module):
+    layer = int4_model.layers[int(gguf_name.split(".")[1])].get_submodule(module)
+    codes = torch.stack((layer.codes & 15, layer.codes >> 4), -1).reshape(layer.out_features, -1)
+    assert torch.equal(codes, _q4_1_codes(gguf_name))
+
+
+@pytest.mark.cpu_only("int4 weights run on the CPU only")
+def test_int4_weights_answer_and_stay_near_the_float_logits(int4_model, models, tokenizers):
+    tokenizer = tokenizers[0]
+    ids = _held_out(tokenizer, 256).cpu()
+    with torch.inference_mode():
+        full, packed = models[0](ids.to(DEVICE)).cpu(), int4_model(ids)
+    assert (full.argmax(-1) == packed.argmax(-1)).float().mean().item() >= 0.9
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                           add_generation_prompt=True)
+    out = kvcache.generate(int4_model, prompt, max_new_tokens=12, stop_tokens=(tokenizer.eos_token_id,))
+    assert "Paris" in tokenizer.decode(out)
