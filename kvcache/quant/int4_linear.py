@@ -92,8 +92,9 @@ class Int4Linear(nn.Module):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """W (out_features, in_features) in ``dtype``, as the kernel reads it."""
         q = torch.stack((self.codes & 15, self.codes >> 4), -1).reshape(self.out_features, -1, GROUP)
-        scale, zero = self.scales_zeros.float().transpose(0, 1).unbind(-1)  # (out, in / GROUP) each
-        w = (q.float() - 8) * scale.unsqueeze(-1) + zero.unsqueeze(-1)
+        scale, zero = self.scales_zeros.float().transpose(0, 1).unsqueeze(-1).unbind(-2)  # (out, in / GROUP, 1)
+        # (q - 8) scale + zero, as q scale + (zero - 8 scale): one pass over the weights.
+        w = torch.addcmul(zero - 8 * scale, q.float(), scale)
         return w.reshape(self.out_features, self.in_features).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
