@@ -17,15 +17,20 @@ file gives back the file's own codes, and only its fp16 scales and minimums are 
 bfloat16. Q4_0 blocks are symmetric (-8 d .. 7 d) and come back as the codes of their own min-max
 range, an error of the same order.
 
-Why two copies of the codes: the kernel takes its codes in a layout of its own that depends on
-the CPU's vector width; it reads each weight once per call, which makes a one-token step read 8x
-fewer bytes than float32 weights, but for many rows at once (a prefill) dequantizing to float and
-calling ``F.linear`` is faster. ``codes`` (out_features, in_features / 2), two codes a byte, input
-channel 2i in the low nibble, is the portable copy that dequantizing reads and the state dict
-keeps; the kernel's copy is rebuilt from it.
+Where the codes live: the kernel takes them in a layout of its own, which depends on the CPU's
+vector width; it reads each weight once per call, so a one-token step reads 8x fewer bytes than
+from float32 weights. For many rows at once (a prefill) dequantizing to float and calling
+``F.linear`` is faster, and dequantizing reads the same bytes: where the kernel's layout is
+blocks of B rows with the codes of one input channel side by side in a fixed order of the
+block's rows (``_nibble_of_row``, found by packing probes and checked on the layer's own codes), the
+codes are held once, in the kernel's layout; otherwise a portable copy is kept beside it. The
+state dict holds the portable layout, ``codes`` (out_features, in_features / 2) uint8, two codes
+a byte, input channel 2i in the low nibble, whatever the CPU.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -50,11 +55,55 @@ class Int4Linear(nn.Module):
         out_features, half = codes.shape
         self.in_features, self.out_features = 2 * half, out_features
         self.dtype = dtype  # the float layer's, which ``weight`` comes back in
-        self.register_buffer("codes", codes)  # (out, in / 2) uint8
         self.register_buffer("scales_zeros", scales_zeros)  # (in / GROUP, out, 2) bfloat16
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.register_buffer("kernel_codes", _kernel_layout(codes), persistent=False)
-        self.register_load_state_dict_post_hook(lambda module, _: module.rebuild_kernel_codes())
+        # Both rebuilt from the state dict's portable codes (``_load_from_state_dict``).
+        self.register_buffer("kernel_codes", None, persistent=False)  # (out, in / 2) uint8, the kernel's layout
+        self.register_buffer("portable", None, persistent=False)  # the portable codes, where kept
+        self._set_codes(codes)
+
+    def _set_codes(self, codes: torch.Tensor) -> None:
+        """Hold ``codes`` (out, in / 2) uint8, portable layout: in the kernel's layout, and as
+        they are only where that layout is not one ``unpacked`` can read."""
+        self.kernel_codes = _kernel_layout(codes)
+        self.nibble_of_row = _nibble_of_row(self.out_features, self.in_features)
+        self.portable = None
+        if self.nibble_of_row is None or not torch.equal(self.unpacked(), _unpack(codes)):
+            self.nibble_of_row, self.portable = None, codes
+
+    @property
+    def codes(self) -> torch.Tensor:
+        """The codes (out_features, in_features / 2) uint8, portable layout (module docstring)."""
+        if self.portable is not None:
+            return self.portable
+        q = self.unpacked()
+        return q[:, 0::2] | (q[:, 1::2] << 4)
+
+    def unpacked(self) -> torch.Tensor:
+        """One code a byte: (out_features, in_features) uint8."""
+        if self.portable is not None:
+            return _unpack(self.portable)
+        B = self.nibble_of_row.numel()
+        nibbles = torch.stack((self.kernel_codes & 15, self.kernel_codes >> 4), -1)
+        rows = nibbles.reshape(self.out_features // B, self.in_features, B)[..., self.nibble_of_row]
+        return rows.transpose(1, 2).reshape(self.out_features, self.in_features)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "codes"] = self.codes
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs) -> None:
+        codes = state_dict.get(prefix + "codes")
+        if codes is None:
+            missing_keys.append(prefix + "codes")
+        elif codes.shape != (self.out_features, self.in_features // 2) or codes.dtype != torch.uint8:
+            error_msgs.append(f"{prefix}codes: expected uint8 {(self.out_features, self.in_features // 2)}, "
+                              f"got {codes.dtype} {tuple(codes.shape)}")
+        else:
+            self._set_codes(codes.contiguous())
+        rest = {k: v for k, v in state_dict.items() if k != prefix + "codes"}
+        super()._load_from_state_dict(rest, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
 
     @classmethod
     def quantize(cls, linear: nn.Linear) -> Int4Linear:
@@ -80,9 +129,6 @@ class Int4Linear(nn.Module):
         bias = None if linear.bias is None else linear.bias.detach().clone()
         return cls(codes.contiguous(), scales_zeros, bias, w.dtype)
 
-    def rebuild_kernel_codes(self) -> None:
-        self.kernel_codes = _kernel_layout(self.codes)
-
     @property
     def weight(self) -> torch.Tensor:
         """W (out_features, in_features) in the float layer's dtype, made at each access (for
@@ -91,7 +137,7 @@ class Int4Linear(nn.Module):
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """W (out_features, in_features) in ``dtype``, as the kernel reads it."""
-        q = torch.stack((self.codes & 15, self.codes >> 4), -1).reshape(self.out_features, -1, GROUP)
+        q = self.unpacked().reshape(self.out_features, -1, GROUP)
         scale, zero = self.scales_zeros.float().transpose(0, 1).unsqueeze(-1).unbind(-2)  # (out, in / GROUP, 1)
         # (q - 8) scale + zero, as q scale + (zero - 8 scale): one pass over the weights.
         w = torch.addcmul(zero - 8 * scale, q.float(), scale)
@@ -114,10 +160,47 @@ class Int4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, group={GROUP}"
 
 
+def _unpack(codes: torch.Tensor) -> torch.Tensor:
+    """(out, in / 2) uint8, two codes a byte -> (out, in) uint8, one a byte."""
+    return torch.stack((codes & 15, codes >> 4), -1).reshape(codes.shape[0], -1)
+
+
+def _pack_for_kernel(q: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
+
+
 def _kernel_layout(codes: torch.Tensor) -> torch.Tensor:
     """The kernel's own layout of ``codes`` (out, in / 2) uint8."""
-    q = torch.stack((codes & 15, codes >> 4), -1).reshape(codes.shape[0], -1).to(torch.int32)
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    return _pack_for_kernel(_unpack(codes))
+
+
+@functools.lru_cache(maxsize=None)
+def _nibble_of_row(out_features: int, in_features: int) -> torch.Tensor | None:
+    """Where the kernel lays out an (out_features, in_features) matrix in blocks of B rows, each
+    block holding the B codes of input channel 0, then the B of channel 1, ..., always in the same
+    order of the block's rows: (B,) int64, the position among a channel's B nibbles (low nibble
+    of a byte first) of each row of the block. None where its layout is otherwise. Found by
+    packing matrices whose codes spell out each code's row and column, four bits a probe."""
+    n, k = out_features, in_features
+    rows = torch.arange(n).view(n, 1).expand(n, k)
+    cols = torch.arange(k).view(1, k).expand(n, k)
+
+    def spelled(index: torch.Tensor, size: int) -> torch.Tensor:
+        out = torch.zeros(n * k, dtype=torch.int64)
+        for shift in range(0, max(size - 1, 1).bit_length(), 4):
+            out |= _unpack(_pack_for_kernel((index >> shift) & 15)).reshape(-1).long() << shift
+        return out
+
+    row_of, col_of = spelled(rows, n), spelled(cols, k)
+    B = int((col_of != 0).nonzero()[0]) if k > 1 else n
+    if B == 0 or n % B:
+        return None
+    order = row_of[:B].clone()
+    expect_rows = (torch.arange(n // B).view(-1, 1, 1) * B + order.view(1, 1, B)).expand(n // B, k, B)
+    expect_cols = torch.arange(k).view(1, k, 1).expand(n // B, k, B)
+    if torch.equal(row_of.view(n // B, k, B), expect_rows) and torch.equal(col_of.view(n // B, k, B), expect_cols):
+        return torch.argsort(order)
+    return None
 
 
 def quantize_model(model: nn.Module) -> int:

@@ -193,3 +193,23 @@ def test_load_refuses_bad_weights_before_reading(tmp_path):
         kvcache.load(tmp_path / "missing", weights="int3")
     with pytest.raises(ValueError, match="CPU only"):
         kvcache.load(tmp_path / "missing", weights="int4", device="meta")
+
+
+@pytest.mark.parametrize("shape", [(64, 64), (192, 576), (1536, 576)])
+def test_rows_in_whole_kernel_blocks_hold_their_codes_once(shape):
+    """Every kernel layout torch has (its vector widths' blocks of 16 to 64 rows) is read back
+    from the kernel's copy for row counts that fill whole blocks: 4 bits a weight, not 8."""
+    w, q = q4_1_weights(*shape, seed=7)
+    layer = Int4Linear.quantize(linear_of(w))
+    held = sum(b.numel() for b in layer.buffers() if b.dtype == torch.uint8)
+    assert held == shape[0] * shape[1] // 2
+    assert torch.equal(codes_of(layer), q.to(torch.uint8))
+
+
+def test_rows_in_part_of_a_block_keep_a_portable_copy_and_the_same_numbers():
+    w, q = q4_1_weights(48, 64, seed=8)
+    layer = Int4Linear.quantize(linear_of(w))
+    assert torch.equal(codes_of(layer), q.to(torch.uint8))
+    x = torch.randn(3, 64)
+    ref = x.to(torch.bfloat16).double() @ layer.dequantize().double().T
+    assert (layer(x).double() - ref).abs().max() <= 2 * BF16_REL * ref.abs().max()
