@@ -66,7 +66,7 @@ class Int4Linear(nn.Module):
         """Hold ``codes`` (out, in / 2) uint8, portable layout: in the kernel's layout, and as
         they are only where that layout is not one ``unpacked`` can read."""
         self.kernel_codes = _kernel_layout(codes)
-        self.nibble_of_row = _nibble_of_row(self.out_features, self.in_features)
+        self.nibble_of_row = _nibble_of_row(self.out_features)
         self.portable = None
         if self.nibble_of_row is None or not torch.equal(self.unpacked(), _unpack(codes)):
             self.nibble_of_row, self.portable = None, codes
@@ -84,8 +84,14 @@ class Int4Linear(nn.Module):
         if self.portable is not None:
             return _unpack(self.portable)
         B = self.nibble_of_row.numel()
-        nibbles = torch.stack((self.kernel_codes & 15, self.kernel_codes >> 4), -1)
-        rows = nibbles.reshape(self.out_features // B, self.in_features, B)[..., self.nibble_of_row]
+        bytes_ = self.kernel_codes.reshape(self.out_features // B, self.in_features, B // 2)
+        low, high = bytes_ & 15, bytes_ >> 4
+        if torch.equal(self.nibble_of_row, _halves(B)):  # rows [0, B/2) low, [B/2, B) high: torch's AVX layouts
+            rows = torch.cat((low, high), -1)
+        else:
+            rows = torch.stack((low, high), -1).reshape(self.out_features // B, self.in_features, B)
+            if not torch.equal(self.nibble_of_row, torch.arange(B)):  # rows in nibble order: no gather
+                rows = rows[..., self.nibble_of_row]
         return rows.transpose(1, 2).reshape(self.out_features, self.in_features)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
@@ -160,6 +166,14 @@ class Int4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, group={GROUP}"
 
 
+@functools.lru_cache(maxsize=None)
+def _halves(B: int) -> torch.Tensor:
+    """The nibble of each row where a block's first B/2 rows are its bytes' low nibbles and the
+    rest their high ones: row r < B/2 at nibble 2r, row B/2 + r at 2r + 1."""
+    r = torch.arange(B // 2)
+    return torch.cat((2 * r, 2 * r + 1))
+
+
 def _unpack(codes: torch.Tensor) -> torch.Tensor:
     """(out, in / 2) uint8, two codes a byte -> (out, in) uint8, one a byte."""
     return torch.stack((codes & 15, codes >> 4), -1).reshape(codes.shape[0], -1)
@@ -175,27 +189,28 @@ def _kernel_layout(codes: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _nibble_of_row(out_features: int, in_features: int) -> torch.Tensor | None:
-    """Where the kernel lays out an (out_features, in_features) matrix in blocks of B rows, each
+def _nibble_of_row(out_features: int) -> torch.Tensor | None:
+    """Where the kernel lays out a matrix of ``out_features`` rows in blocks of B rows, each
     block holding the B codes of input channel 0, then the B of channel 1, ..., always in the same
     order of the block's rows: (B,) int64, the position among a channel's B nibbles (low nibble
     of a byte first) of each row of the block. None where its layout is otherwise. Found by
-    packing matrices whose codes spell out each code's row and column, four bits a probe."""
-    n, k = out_features, in_features
+    packing a matrix of 2 * GROUP input channels whose codes spell out each code's row and column,
+    four bits a probe (``Int4Linear`` then checks the answer on each layer's own codes)."""
+    n, k = out_features, 2 * GROUP
     rows = torch.arange(n).view(n, 1).expand(n, k)
     cols = torch.arange(k).view(1, k).expand(n, k)
 
     def spelled(index: torch.Tensor, size: int) -> torch.Tensor:
         out = torch.zeros(n * k, dtype=torch.int64)
-        for shift in range(0, max(size - 1, 1).bit_length(), 4):
+        for shift in range(0, (size - 1).bit_length(), 4):
             out |= _unpack(_pack_for_kernel((index >> shift) & 15)).reshape(-1).long() << shift
         return out
 
     row_of, col_of = spelled(rows, n), spelled(cols, k)
-    B = int((col_of != 0).nonzero()[0]) if k > 1 else n
-    if B == 0 or n % B:
+    B = int((col_of != 0).nonzero()[0])
+    if n % B:
         return None
-    order = row_of[:B].clone()
+    order = row_of[:B]
     expect_rows = (torch.arange(n // B).view(-1, 1, 1) * B + order.view(1, 1, B)).expand(n // B, k, B)
     expect_cols = torch.arange(k).view(1, k, 1).expand(n // B, k, B)
     if torch.equal(row_of.view(n // B, k, B), expect_rows) and torch.equal(col_of.view(n // B, k, B), expect_cols):
