@@ -9,13 +9,14 @@ lo and hi the group's minimum and maximum. The kernel reads a code back as (q - 
 with scale = s and zero = lo + 8 s, both held in bfloat16, and multiplies bfloat16 inputs with
 float32 sums. So a weight comes back within s / 2 of itself plus the bfloat16 rounding of its
 scale and zero (each within 2^-8 of itself, the scale's counted |q - 8| <= 8 times), and the
-layer's inputs and outputs are rounded to bfloat16: the layer is an approximation of the float one, measured in docs/gguf.md.
+layer's inputs and outputs are rounded to bfloat16: the layer is an approximation of the float
+one, measured in docs/gguf.md.
 
 Why these groups: GGUF's Q4_1 blocks are exactly min-max groups of 32 input channels (codes 0
 and 15 in every block that is not constant), so quantizing the dequantized weights of a Q4_1
 file gives back the file's own codes, and only its fp16 scales and minimums are rounded to
-bfloat16. Q4_0 blocks are symmetric (-8 d .. 7 d) and come back as the codes of their own min-max
-range, an error of the same order.
+bfloat16. Q4_0 blocks (d (q - 8), no minimum) come back as their own codes too where they hold
+codes 0 and 15; others are quantized afresh over their own smaller range.
 
 Where the codes live: the kernel takes them in a layout of its own, which depends on the CPU's
 vector width; it reads each weight once per call, so a one-token step reads 8x fewer bytes than
@@ -38,8 +39,8 @@ from torch import nn
 
 GROUP = 32
 # Rows per call at or below which the packed kernel runs; above it the weights are dequantized
-# and multiplied in the input's dtype (on 2 cores the kernel's time grows with the rows, while
-# dequantizing costs one pass over the weights whatever the rows).
+# for the call and multiplied by F.linear with the kernel's roundings (the kernel's time grows
+# with the rows, while dequantizing costs one pass over the weights whatever the rows).
 KERNEL_MAX_ROWS = 8
 
 
