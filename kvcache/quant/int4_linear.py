@@ -7,10 +7,11 @@ A group x (32 weights of one output row) becomes codes
 
 lo and hi the group's minimum and maximum. The kernel reads a code back as (q - 8) * scale + zero
 with scale = s and zero = lo + 8 s, both held in bfloat16, and multiplies bfloat16 inputs with
-float32 sums. So a weight comes back within s / 2 of itself plus the bfloat16 rounding of its
-scale and zero (each within 2^-8 of itself, the scale's counted |q - 8| <= 8 times), and the
-layer's inputs and outputs are rounded to bfloat16: the layer is an approximation of the float
-one, measured in docs/gguf.md.
+float32 sums into a bfloat16 result. So a weight comes back within s / 2 of itself plus the
+bfloat16 rounding of its scale and zero (each within 2^-8 of itself, the scale's counted
+|q - 8| <= 8 times), and a decode step's inputs and outputs of the layer are rounded to
+bfloat16: the layer is an approximation of the float one, measured in docs/gguf.md. A
+prefill's rows multiply the same dequantized weights in their own dtype.
 
 Why these groups: GGUF's Q4_1 blocks are exactly min-max groups of 32 input channels (codes 0
 and 15 in every block that is not constant), so quantizing the dequantized weights of a Q4_1
@@ -39,8 +40,8 @@ from torch import nn
 
 GROUP = 32
 # Rows per call at or below which the packed kernel runs; above it the weights are dequantized
-# for the call and multiplied by F.linear with the kernel's roundings (the kernel's time grows
-# with the rows, while dequantizing costs one pass over the weights whatever the rows).
+# for the call and multiplied by F.linear in the input's dtype (the kernel's time grows with the
+# rows, while dequantizing costs one pass over the weights whatever the rows).
 KERNEL_MAX_ROWS = 8
 
 
@@ -153,8 +154,7 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] > KERNEL_MAX_ROWS:
-            # The kernel's numbers: bfloat16 inputs, float32 sums, a bfloat16 result.
-            y = F.linear(rows.to(torch.bfloat16).float(), self.dequantize()).to(torch.bfloat16).to(x.dtype)
+            y = F.linear(rows, self.dequantize(x.dtype))
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 rows.to(torch.bfloat16), self.kernel_codes, GROUP, self.scales_zeros
