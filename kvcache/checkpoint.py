@@ -134,7 +134,7 @@ def load(
     float16), and to the checkpoint's own dtype elsewhere; ``kvcache generate`` does the same.
     ``weights="int4"`` keeps each attention and MLP projection as 4-bit codes in groups of 32
     input channels (kvcache/quant/int4_linear.py: a one-token step reads about 8x fewer bytes of
-    them; an approximation, with bfloat16 inputs to those products; CPU only); a GGUF file's
+    them; an approximation, with bfloat16 inputs to a step's products; CPU only); a GGUF file's
     Q4_1 blocks come back as the file's own codes. The embedding, head and norms stay in
     ``dtype``. The model is returned in eval mode.
     """
