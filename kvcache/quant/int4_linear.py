@@ -152,6 +152,9 @@ class Int4Linear(nn.Module):
         return w.reshape(self.out_features, self.in_features).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu" or self.kernel_codes.device.type != "cpu":
+            raise RuntimeError(f"int4 weights run on the CPU only; this layer's input is on {x.device} and its "
+                               f"codes on {self.kernel_codes.device} (load the model with weights='full' there)")
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] > KERNEL_MAX_ROWS:
             y = F.linear(rows, self.dequantize(x.dtype))

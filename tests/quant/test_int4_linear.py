@@ -115,6 +115,14 @@ def test_bad_layers_are_refused_with_the_reason():
         Int4Linear.quantize(nn.Linear(64, 32, device="meta"))
 
 
+def test_a_layer_moved_off_the_cpu_says_so():
+    layer = Int4Linear.quantize(nn.Linear(64, 32))
+    with pytest.raises(RuntimeError, match="CPU only"):
+        layer(torch.randn(1, 64, device="meta"))
+    with pytest.raises(RuntimeError, match="CPU only"):
+        layer.to("meta")(torch.randn(1, 64))
+
+
 def test_state_dict_round_trip_rebuilds_the_kernel_codes():
     w, _ = q4_1_weights(32, 64, seed=5)
     a = Int4Linear.quantize(linear_of(w))
