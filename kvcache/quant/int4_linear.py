@@ -225,12 +225,19 @@ def _nibble_of_row(out_features: int) -> torch.Tensor | None:
 def quantize_model(model: nn.Module) -> int:
     """Replace every ``nn.Linear`` inside the model's blocks (attention and MLP projections) by
     its ``Int4Linear``, in place; the embedding and the output head stay as they are. Returns
-    the number of layers replaced."""
-    replaced = 0
-    for block in model.layers:
-        for parent in block.modules():
-            for name, child in list(parent.named_children()):
+    the number of layers replaced. Every layer is checked before any is replaced, so a model
+    with one layer the kernel cannot take is refused (ValueError naming it) and left as it was."""
+    targets = []  # (name in the model, parent module, attribute, the linear layer)
+    for i, block in enumerate(model.layers):
+        for parent_name, parent in block.named_modules():
+            for name, child in parent.named_children():
                 if type(child) is nn.Linear:
-                    setattr(parent, name, Int4Linear.quantize(child))
-                    replaced += 1
-    return replaced
+                    targets.append((f"layers.{i}.{parent_name}.{name}".replace("..", "."), parent, name, child))
+    for path, _, _, child in targets:
+        out_features, in_features = child.weight.shape
+        if in_features % GROUP or out_features % 16:
+            raise ValueError(f"int4 weights need each projection's in_features to be a multiple of {GROUP} and "
+                             f"out_features of 16; {path} is {in_features} -> {out_features}")
+    for _, parent, name, child in targets:
+        setattr(parent, name, Int4Linear.quantize(child))
+    return len(targets)

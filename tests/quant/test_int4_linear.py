@@ -227,3 +227,12 @@ def test_rows_in_part_of_a_block_keep_a_portable_copy_and_the_same_numbers():
     assert (layer(x).double() - ref).abs().max() <= 2 * BF16_REL * ref.abs().max()
     many = torch.randn(KERNEL_MAX_ROWS + 1, 64)
     assert max_diff(layer(many), many @ layer.dequantize().T) <= atol("same")
+
+
+def test_a_model_with_a_projection_the_kernel_cannot_take_is_refused_by_name(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=3, num_key_value_heads=1, max_position_embeddings=64)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"layers\.0\.self_attn\.q_proj is 48 -> 48"):
+        kvcache.load(tmp_path, weights="int4")
