@@ -311,6 +311,9 @@ def _add_eval(commands) -> None:
     ev.add_argument("--model", metavar="PATH", help="checkpoint directory or GGUF file (default: bundled)")
     ev.add_argument("--dtype", choices=DTYPES, help="default: float32 on CPU, the checkpoint's elsewhere")
     ev.add_argument("--device", type=_device, default="cpu", help="e.g. cpu, cuda, cuda:1 (default: cpu)")
+    ev.add_argument("--weights", choices=WEIGHTS, default="full",
+                    help="int4: the model's projections as 4-bit codes (CPU only; the cells are kept apart from "
+                         "full weights' in --out) (default: full)")
     ev.add_argument("--texts", metavar="DIR",
                     help="held-out .txt files for streaming, passkey filler and RULER's essay haystack (default: the "
                          "ones packaged in kvcache/data/texts)")

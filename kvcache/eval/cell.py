@@ -60,6 +60,7 @@ class Bench:
     dataset:  a JSON-lines file: the tasks of ``benchmark="dataset"``, or ruler's qa data.
     metric:   overrides every sample's metric (None: the task's own, or the record's).
     chat:     wrap prompts in the checkpoint's chat template.
+    weights:  how the model holds its projections (``kvcache.load``'s ``weights``: full, int4).
     """
 
     benchmark: str = "ruler"
@@ -69,6 +70,7 @@ class Bench:
     chat: bool = False
     # Content hash of ``dataset``, so that a changed file is not mistaken for a finished one.
     dataset_hash: str = field(default="", compare=True)
+    weights: str = "full"
 
     def __post_init__(self) -> None:
         if self.benchmark not in BENCHMARKS:
@@ -78,9 +80,9 @@ class Bench:
 
     @classmethod
     def make(cls, benchmark: str = "ruler", texts: str | None = None, dataset: str | None = None,
-             metric: str | None = None, chat: bool = False) -> "Bench":
+             metric: str | None = None, chat: bool = False, weights: str = "full") -> "Bench":
         digest = ds.file_hash(dataset) if dataset is not None else ""
-        return cls(benchmark, texts, dataset, metric, chat, digest)
+        return cls(benchmark, texts, dataset, metric, chat, digest, weights)
 
 
 @dataclass(frozen=True)
@@ -103,7 +105,10 @@ class Cell:
 
     def key(self, bench: Bench) -> str:
         """A file name that identifies the cell and everything its result depends on."""
-        spec = json.dumps([asdict(self), asdict(bench)], sort_keys=True)
+        shared = asdict(bench)
+        if shared["weights"] == "full":  # the keys of sweeps made before int4 weights stay as they were
+            del shared["weights"]
+        spec = json.dumps([asdict(self), shared], sort_keys=True)
         digest = hashlib.sha256(spec.encode()).hexdigest()[:10]
         # "h2o:int4" -> "h2o-int4"; a variant's options, "snapkv(window=64)", -> "snapkv-window-64".
         policy = re.sub(r"[^A-Za-z0-9_.-]+", "-", self.policy).strip("-")

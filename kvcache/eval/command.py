@@ -110,7 +110,8 @@ def _sweep(args, kind: str, out: Path, dtype: torch.dtype | None, progress: bool
     from ..cache.registry import canonical_name
     from ..cache.registry import policies as registered
 
-    bench = Bench.make(kind, texts=args.texts, dataset=args.dataset, metric=args.metric, chat=args.chat)
+    bench = Bench.make(kind, texts=args.texts, dataset=args.dataset, metric=args.metric, chat=args.chat,
+                       weights=args.weights)
     ratios = _ratios(args)
     protocols = args.protocols or list(PROTOCOLS)
     bad = [p for p in protocols if p not in PROTOCOLS]
@@ -140,7 +141,7 @@ def _sweep(args, kind: str, out: Path, dtype: torch.dtype | None, progress: bool
     cells = sweep.plan(policies, ratios, tasks, lengths, protocols, samples, args.seed or 0)
     model_name = args.model or f"bundled ({BUNDLED_MODEL.name})"
     tokenizer = load_tokenizer(args.model)
-    model = load(args.model, dtype=dtype, device=args.device)
+    model = load(args.model, dtype=dtype, device=args.device, weights=args.weights)
     threads_for_model(model)
     check_grid(policies, model)
     finished = sweep.load(Path(out), cells, bench) if args.report_only else []
@@ -157,12 +158,13 @@ def _sweep(args, kind: str, out: Path, dtype: torch.dtype | None, progress: bool
         from . import ray_sweep
 
         results = ray_sweep.run(args.model, cells, bench, out, address=args.ray or None, threads=args.threads or 1,
-                                dtype=dtype, device=args.device, progress=progress)
+                                dtype=dtype, device=args.device, weights=args.weights, progress=progress)
     header = {"benchmark": kind, "model": model_name, "lengths": ", ".join(map(str, lengths)) if kind == "ruler"
               else "as in the dataset", "samples per task": samples, "seed": args.seed or 0,
               "protocols": ", ".join(protocols), "ratios (fraction removed)": ", ".join(f"{r:g}" for r in ratios),
               "chat template": "yes" if args.chat else "no",
-              "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "device": str(args.device)}
+              "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "weights": args.weights,
+              "device": str(args.device)}
     if kind == "dataset" or args.dataset:
         header["dataset"] = args.dataset
     table = leaderboard.markdown(results, header)
@@ -199,14 +201,14 @@ def _passkey(args, out: Path, dtype: torch.dtype | None, progress: bool) -> None
                          "is not run by the passkey grid (streaming perplexity, one prompt at a time); evaluate "
                          "it with --benchmark ruler or --dataset FILE.jsonl")
     tokenizer = load_tokenizer(args.model)
-    model = load(args.model, dtype=dtype, device=args.device)
+    model = load(args.model, dtype=dtype, device=args.device, weights=args.weights)
     threads_for_model(model)
     check_grid(grid.policies, model)
     runner = passkey.Runner()
     runner.stream(tokenizer, args.texts)  # the texts, read (and checked) once before anything is written
     out = out_dir(str(out))  # the first thing written: after every check above
     # Every unit of the grid is a cell written to OUT/cells/ as it finishes: a rerun resumes.
-    cells, bench = passkey.plan(grid), Bench.make("passkey", texts=args.texts)
+    cells, bench = passkey.plan(grid), Bench.make("passkey", texts=args.texts, weights=args.weights)
     done = len(cells) - len(sweep.pending(cells, bench, out))
     print(f"kvcache eval: writing the report to {out}/ (--out DIR to change); {len(cells)} cells, {done} already "
           f"in {out}/cells", file=sys.stderr)
@@ -216,13 +218,14 @@ def _passkey(args, out: Path, dtype: torch.dtype | None, progress: bool) -> None
         from . import ray_sweep
 
         results = ray_sweep.run(args.model, cells, bench, out, address=args.ray or None, threads=args.threads or 1,
-                                dtype=dtype, device=args.device, runner=runner, progress=progress)
+                                dtype=dtype, device=args.device, weights=args.weights, runner=runner,
+                                progress=progress)
     report = passkey.grid_report(grid, cells, results)
     report["header"] = {"model": args.model or f"bundled ({BUNDLED_MODEL.name})",
                         "lengths": ", ".join(map(str, grid.lengths)), "trials": grid.trials,
                         "depths": ", ".join(f"{d:g}" for d in grid.depths),
                         "budgets (fraction kept)": ", ".join(f"{b:g}" for b in grid.budgets),
-                        "streaming tokens": grid.stream_tokens}
+                        "streaming tokens": grid.stream_tokens, "weights": args.weights}
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     table = markdown(report)
     (out / "report.md").write_text(table)

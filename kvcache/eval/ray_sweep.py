@@ -37,13 +37,14 @@ def _ray():
 
 
 class CellWorker:
-    """One Ray actor: the model (in ``dtype``, on ``device``) and tokenizer of ``source`` (None:
-    the bundled model), loaded once, and the cells given to it run one at a time with ``runner``."""
+    """One Ray actor: the model (in ``dtype``, on ``device``, its projections held as ``weights``
+    says) and tokenizer of ``source`` (None: the bundled model), loaded once, and the cells given
+    to it run one at a time with ``runner``."""
 
     def __init__(self, source: str | None, dtype: torch.dtype | None, device: str, threads: int,
-                 runner: sweep.Runner) -> None:
+                 runner: sweep.Runner, weights: str = "full") -> None:
         torch.set_num_threads(threads)
-        self.model = load(source, dtype=dtype, device=device)
+        self.model = load(source, dtype=dtype, device=device, weights=weights)
         self.tokenizer = load_tokenizer(source)
         self.runner = runner
 
@@ -56,7 +57,7 @@ class CellWorker:
 
 def run(source: str | Path | None, cells: Sequence[Cell], bench: Bench, out: Path, *, address: str | None = None,
         workers: int | None = None, threads: int = 1, retries: int = 2, runner: sweep.Runner = run_cell,
-        dtype: torch.dtype | None = torch.float32, device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = torch.float32, device: str | torch.device = "cpu", weights: str = "full",
         progress: bool = True) -> list[dict]:
     """Run every cell not yet finished under ``out`` on Ray; returns all the cells' results, in
     the order of ``cells`` (as ``sweep.run`` does).
@@ -67,7 +68,8 @@ def run(source: str | Path | None, cells: Sequence[Cell], bench: Bench, out: Pat
     workers: actors (default: the cluster's CPUs divided by ``threads``, at most one a pending cell).
     threads: torch threads per worker; each actor reserves as many CPUs (and a GPU when ``device``
              is CUDA: Ray then gives each its own).
-    dtype, device: what each worker loads the model in and on (None: the checkpoint's dtype).
+    dtype, device, weights: what each worker loads the model in and on, and how it holds the
+             projections (``kvcache.load``'s; dtype None: the checkpoint's).
     retries: how many times a cell whose worker died is run again before the sweep fails.
     """
     ray = _ray()
@@ -91,7 +93,7 @@ def run(source: str | Path | None, cells: Sequence[Cell], bench: Bench, out: Pat
         source = None if source is None else str(source)
         # Ray makes the actor's GPU its "cuda:0"; a CPU worker loads on the CPU.
         where = "cuda" if gpus else str(device)
-        pool = [actor.remote(source, dtype, where, threads, runner) for _ in range(count)]
+        pool = [actor.remote(source, dtype, where, threads, runner, weights) for _ in range(count)]
         try:
             _drive(ray, pool, todo, len(cells), bench, out, retries, progress)
         finally:

@@ -115,3 +115,25 @@ def test_the_command_line_sweeps_a_variant_named_with_its_options(tiny_dir, tmp_
     again = json.loads((out / "report.json").read_text())["results"]
     assert [r["cell"]["policy"] for r in again] == ["snapkv(kernel=3,window=2)"]
     assert again[0]["samples"] == next(r for r in results if r["cell"]["policy"] != "snapkv")["samples"]
+
+
+@pytest.mark.cpu_only("int4 weights run on the CPU only")
+def test_int4_weights_sweep_into_cells_of_their_own(tiny_dir, tmp_path):
+    """``--weights int4`` evaluates the model as ``load(..., weights="int4")`` holds it; its cells
+    are kept apart from full weights' in the same --out, and the report says which it is."""
+    import json
+
+    from kvcache.cli import main
+
+    out = tmp_path / "o"
+    grid = ["eval", "--benchmark", "ruler", "--model", str(tiny_dir), "--tasks", "niah_single_1", "--lengths", "512",
+            "--policies", "dense", "--samples", "1", "--threads", "1", "--no-plots", "--out", str(out)]
+    assert main(grid) == 0
+    full = {p.name for p in (out / "cells").glob("*.json")}
+    assert main([*grid, "--weights", "int4"]) == 0
+    both = {p.name for p in (out / "cells").glob("*.json")}
+    assert len(full) == 1 and len(both) == 2
+    report = json.loads((out / "report.json").read_text())
+    assert report["header"]["weights"] == "int4"
+    [int4] = both - full
+    assert json.loads((out / "cells" / int4).read_text())["bench"]["weights"] == "int4"
