@@ -84,6 +84,18 @@ class Bench:
         digest = ds.file_hash(dataset) if dataset is not None else ""
         return cls(benchmark, texts, dataset, metric, chat, digest, weights)
 
+    def spec(self) -> dict:
+        """The settings a result depends on, as cell keys hash them and result files are matched
+        by (``Bench.spec_of``)."""
+        return Bench.spec_of(asdict(self))
+
+    @staticmethod
+    def spec_of(written: dict) -> dict:
+        """A result file's ``bench`` as ``spec`` gives it: ``weights`` only where it is not
+        "full", so that the results written before weights were a setting keep their keys and
+        are still found."""
+        return {k: v for k, v in written.items() if not (k == "weights" and v == "full")}
+
 
 @dataclass(frozen=True)
 class Cell:
@@ -105,10 +117,7 @@ class Cell:
 
     def key(self, bench: Bench) -> str:
         """A file name that identifies the cell and everything its result depends on."""
-        shared = asdict(bench)
-        if shared["weights"] == "full":  # the keys of sweeps made before int4 weights stay as they were
-            del shared["weights"]
-        spec = json.dumps([asdict(self), shared], sort_keys=True)
+        spec = json.dumps([asdict(self), bench.spec()], sort_keys=True)
         digest = hashlib.sha256(spec.encode()).hexdigest()[:10]
         # "h2o:int4" -> "h2o-int4"; a variant's options, "snapkv(window=64)", -> "snapkv-window-64".
         policy = re.sub(r"[^A-Za-z0-9_.-]+", "-", self.policy).strip("-")

@@ -40,7 +40,7 @@ class PasskeyCell:
 
     def key(self, bench: Bench) -> str:
         """A file name that identifies the cell and everything its result depends on."""
-        spec = json.dumps([asdict(self), asdict(bench)], sort_keys=True)
+        spec = json.dumps([asdict(self), bench.spec()], sort_keys=True)
         digest = hashlib.sha256(spec.encode()).hexdigest()[:10]
         policy = self.policy.replace(":", "-")
         where = "" if self.kind == "streaming" else f"-{self.protocol}-{self.length}-{self.depth:g}"

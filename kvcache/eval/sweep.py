@@ -124,7 +124,7 @@ def known(out: Path, cell: Cell, bench: Bench) -> list[dict]:
     for path in sorted((Path(out) / CELLS).glob(f"{stem}-*.json")):
         try:
             data = json.loads(path.read_text())
-            same = {**data["cell"], "samples": cell.samples} == spec and data["bench"] == asdict(bench)
+            same = {**data["cell"], "samples": cell.samples} == spec and Bench.spec_of(data["bench"]) == bench.spec()
         except (OSError, ValueError, KeyError, TypeError):
             continue  # not a cell result: the sweep never wrote it
         if not same or data.get("skipped"):

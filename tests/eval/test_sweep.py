@@ -35,7 +35,15 @@ def test_a_cell_key_changes_with_every_setting():
     others = [Cell("h2o", 0.25, "vt", 1024, "query_agnostic", 3, 0), Cell("h2o", 0.5, "vt", 1024, "query_aware", 3, 0),
               Cell("h2o", 0.5, "vt", 1024, "query_agnostic", 4, 0), Cell("h2o", 0.5, "vt", 1024, "query_agnostic", 3, 1)]
     keys = {cell.key(BENCH)} | {c.key(BENCH) for c in others} | {cell.key(Bench.make("ruler", chat=True))}
-    assert len(keys) == 6
+    keys |= {cell.key(Bench.make("ruler", weights="int4"))}
+    assert len(keys) == 7
+
+
+def test_full_weights_keep_the_keys_cells_had_before_weights_were_a_setting():
+    """Sweeps already on disk must still be found: a full-weight cell's key is the one it had
+    before ``Bench.weights`` existed (this literal is a cell file of docs/eval/smollm2-ruler4k)."""
+    cell = Cell("dense", 0.0, "cwe", 4096, "query_agnostic", 6, 0)
+    assert cell.key(Bench.make("ruler")) == "cwe-4096-query_agnostic-dense-0-6ce2610b57"
 
 
 @pytest.mark.parametrize("ratio, protocol", [(0.5, "query_agnostic"), (0.75, "query_aware")])
@@ -141,6 +149,18 @@ def test_raising_the_sample_count_runs_only_the_new_samples(tiny, tokenizer, tmp
         tiny.layer_hook = None
     assert hook_calls == []
     assert [r["samples"] for r in two] == [r["samples"][:2] for r in three]
+
+
+def test_a_result_written_before_weights_were_a_setting_is_grown_from(tiny, tokenizer, tmp_path):
+    [one] = sweep.run(tiny, tokenizer, niah(1)[:1], BENCH, tmp_path, progress=False)
+    [path] = (tmp_path / sweep.CELLS).glob("*.json")
+    written = json.loads(path.read_text())
+    del written["bench"]["weights"]  # as a file of an older sweep holds it
+    path.write_text(json.dumps(written))
+    [two] = sweep.run(tiny, tokenizer, niah(2)[:1], BENCH, tmp_path, progress=False)
+    assert two["samples"][0] == one["samples"][0]
+    # int4 weights are another setting: nothing of the full-weight file is taken up.
+    assert sweep.known(tmp_path, niah(2)[0], Bench.make("ruler", weights="int4")) == []
 
 
 def test_an_interrupted_cell_keeps_its_finished_samples(tiny, tokenizer, tmp_path):
