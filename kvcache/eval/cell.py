@@ -38,6 +38,7 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from ..cache.registry import budget_options, make_cache, policy_class
+from ..checkpoint import WEIGHTS
 from ..generate import decode_loop, greedy
 from ..kvzip import prefill as reconstruct_context
 from ..kvzip import repeat_ids
@@ -77,6 +78,8 @@ class Bench:
             raise ValueError(f"unknown benchmark {self.benchmark!r}; available: {', '.join(BENCHMARKS)}")
         if self.benchmark == "dataset" and self.dataset is None:
             raise ValueError("benchmark 'dataset' needs a dataset file (--dataset FILE.jsonl)")
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"weights={self.weights!r}: choose one of {', '.join(map(repr, WEIGHTS))}")
 
     @classmethod
     def make(cls, benchmark: str = "ruler", texts: str | None = None, dataset: str | None = None,

@@ -37,6 +37,8 @@ def test_a_cell_key_changes_with_every_setting():
     keys = {cell.key(BENCH)} | {c.key(BENCH) for c in others} | {cell.key(Bench.make("ruler", chat=True))}
     keys |= {cell.key(Bench.make("ruler", weights="int4"))}
     assert len(keys) == 7
+    with pytest.raises(ValueError, match="weights='int3'"):
+        Bench.make("ruler", weights="int3")
 
 
 def test_full_weights_keep_the_keys_cells_had_before_weights_were_a_setting():
