@@ -164,14 +164,20 @@ class EvictingCache(LayerCache):
             return (self._outputs(q, k, v, q_pos, k_pos, step, rule, q_sink) if outputs else None), None, None
         weight = self.query_weight(step)  # (B, T)
         if q_sink is None:
-            # A policy that listens to a few queries only (TOVA: the newest; SnapKV: its window)
-            # needs weights for those: every query's output comes from the fused kernel, and
-            # the explicit softmax runs over the listened queries alone.
+            # Every query's output comes from the fused kernel, and the explicit softmax runs for
+            # the weights alone, over the listened queries: where a policy listens to a few
+            # queries only (TOVA: the newest; SnapKV: its window), and for a prompt alone in an
+            # empty cache whatever it listens to (h2o: every query). That prompt's outputs are
+            # then the dense cache's, bit for bit, whichever policy scores it, so one dense
+            # prefill of a context can fill every policy's cache (eval/shared.py).
             listened = weight.ne(0).any(0).nonzero().squeeze(1)  # (L,) indices into the chunk
-            if 2 * listened.numel() <= q.shape[2]:
+            if alone or 2 * listened.numel() <= q.shape[2]:
                 out = self._outputs(q, k, v, q_pos, k_pos, step, rule) if outputs else None
+                every = listened.numel() == q.shape[2]
+                if not every:
+                    q, q_pos, weight = q[:, :, listened], q_pos[:, listened], weight[:, listened]
                 _, mass, seen = attention.masked_with_weights(
-                    q[:, :, listened], k, v, q_pos[:, listened], k_pos, weight[:, listened], outputs=False, **rule)
+                    q, k, v, q_pos, k_pos, weight, outputs=False, in_order=alone and every, **rule)
                 return out, mass, seen
         return attention.masked_with_weights(q, k, v, q_pos, k_pos, weight, q_sink=q_sink, outputs=outputs,
                                              in_order=alone, **rule)

@@ -254,7 +254,8 @@ Progress = Callable[[list[dict]], None]
 
 
 def run_cells(model, tokenizer, cells: Sequence[Cell], bench: Bench,
-              known: Sequence[Sequence[dict]] | None = None, progress: Progress | None = None) -> list[dict]:
+              known: Sequence[Sequence[dict]] | None = None, progress: Progress | None = None,
+              shared: SharedPrefill | None = None) -> list[dict]:
     """The results of ``cells``, which must share their samples (``sample_group``), as
     ``run_cell`` gives them one by one: the samples are built once and run one after another
     through every cell, so that each sample's first chunk is prefilled once for all the
@@ -266,6 +267,10 @@ def run_cells(model, tokenizer, cells: Sequence[Cell], bench: Bench,
               it (the shared prefill counted in the cell that first asked for it).
     progress: called after each sample with every cell's partial result (``partial``), so
               that an interrupted run loses at most the sample in flight.
+    shared:   the ``SharedPrefill`` of ``model`` to prefill through (None: a new one). A sweep
+              passes one to all its groups of cells, so that a cache configuration is checked
+              once for the sweep rather than once a task (a check computes the attention that a
+              replay of a configuration already checked skips).
     """
     if bench.benchmark == "passkey":
         raise ValueError("a passkey cell is run by kvcache.eval.passkey.Runner, not run_cell")
@@ -286,7 +291,8 @@ def run_cells(model, tokenizer, cells: Sequence[Cell], bench: Bench,
     setup = [(time.perf_counter() - start) / len(cells)] * len(cells)
     found = [{o["index"]: o for o in outcomes} for outcomes in (known or [[]] * len(cells))]
     outcomes: list[list[dict]] = [[] for _ in cells]
-    shared = SharedPrefill() if len(cells) > 1 else None
+    if shared is None and len(cells) > 1:
+        shared = SharedPrefill()
     for sample in samples:
         ran = False
         for i, c in enumerate(cells):

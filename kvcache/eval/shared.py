@@ -2,7 +2,7 @@
 
 Every cell of a sample feeds the same first chunk (the context, or context and question) into
 a fresh cache. Where a policy's layers attend that chunk exactly as the dense cache does (the
-fused causal kernel over the chunk alone: dense, snapkv, tova, knorm, keydiff,
+fused causal kernel over the chunk alone: dense, snapkv, tova, h2o, knorm, keydiff,
 expected_attention in full precision), the model computes the same hidden states for it, so
 the same queries, keys and values reach every layer. ``record`` runs the chunk once, through a
 dense cache, and keeps what reached each layer and what came back. ``replay`` then makes, into
@@ -10,15 +10,17 @@ a policy's fresh cache, the very calls the model would make: ``layer.attend(q, k
 with the step that cache describes itself, layer after layer, checking each layer's output
 against the recorded one bit for bit. Equal outputs mean equal inputs to the next layer, so by
 induction the cache ends exactly as the model's own prefill would leave it, and the logits of
-the chunk's last token are the recorded ones. A policy that attends otherwise (h2o's explicit
-softmax, a sink window, a quantized storage's codes) fails the check at its first layer; its
-cell then prefills on its own.
+the chunk's last token are the recorded ones. A policy that attends otherwise (a sliding window,
+attention sinks, a quantized storage's codes) fails the check at its first layer; its cell then
+prefills on its own.
 
-The check runs once per cache configuration (policy, storage, ratio): its attention path is
-chosen by the configuration, not by the chunk's contents. Later replays of that configuration
-hand each layer the chunk through ``absorb``, which an evicting cache takes without computing
-the attention outputs, only what it scores the chunk by (snapkv: its window's weights; knorm,
-keydiff, expected_attention: keys and queries), so that a replay costs a small part of a
+The check runs once per cache configuration (policy, storage, ratio) and ``SharedPrefill``,
+which a sweep keeps for all its tasks: the attention path is chosen by the configuration, not by
+the chunk's contents (a prompt alone in an empty cache takes the fused kernel for its outputs in
+every evicting cache, whatever its length). Later replays of that configuration hand each layer
+the chunk through ``absorb``, which an evicting cache takes without computing the attention
+outputs, only what it scores the chunk by (snapkv: its window's weights; h2o: every query's;
+knorm, keydiff, expected_attention: keys and queries), so that a replay costs a small part of a
 prefill; ``tests/eval/test_shared.py`` checks that both replays leave the cache as the policy's
 own prefill does.
 

@@ -32,6 +32,7 @@ from typing import Callable, Sequence
 from tqdm import tqdm
 
 from .cell import PROTOCOLS, Bench, Cell, keeps_all, run_cell, run_cells, sample_group
+from .shared import SharedPrefill
 
 CELLS = "cells"
 
@@ -92,6 +93,7 @@ def run(model, tokenizer, cells: Sequence[Cell], bench: Bench, out: Path, runner
     todo = pending(cells, bench, out)
     bar = tqdm(total=len(cells), initial=len(cells) - len(todo), desc="eval", unit="cell", disable=not progress,
                dynamic_ncols=True)
+    shared = SharedPrefill()  # one for every group: each cache configuration checked once a sweep
     try:
         for group in batches(todo) if runner is run_cell else [[cell] for cell in todo]:
             label = group[0].label() + (f" (+{len(group) - 1} sharing its samples)" if len(group) > 1 else "")
@@ -102,7 +104,8 @@ def run(model, tokenizer, cells: Sequence[Cell], bench: Bench, out: Path, runner
                         write_atomic(result_path(out, cell, bench), result)
                     bar.set_postfix_str(f"{label}, sample {len(partials[0]['samples'])}/{group[0].samples} done")
 
-                results = run_cells(model, tokenizer, group, bench, [known(out, c, bench) for c in group], save)
+                results = run_cells(model, tokenizer, group, bench, [known(out, c, bench) for c in group], save,
+                                    shared)
             else:
                 results = [runner(model, tokenizer, group[0], bench)]
             for cell, result in zip(group, results):

@@ -163,7 +163,8 @@ def expected_sink_positions(L: int, C: int, sinks: int) -> list[int]:
 class AttentionRecorder:
     """Records, for every attention call the layer caches of ``cache`` make (in order), the query
     positions ``q_pos`` (B, T), the key positions ``k_pos`` (B, Hp, S) and which keys each query
-    may see ``vis`` (B, Hp, T, S), whichever kernel the layer uses."""
+    may see ``vis`` (B, Hp, T, S), whichever kernel the layer uses; ``scores_only`` is True for a
+    call that computes attention weights and no outputs (a policy scoring what it attended)."""
 
     def __init__(self, cache) -> None:
         self.cache = cache
@@ -196,6 +197,7 @@ class AttentionRecorder:
                                 q_sink=None, outputs=True, in_order=False):
             # (``in_order`` skips only slots no query of a block sees: the visibility is k_pos's.)
             record(q_pos, k_pos, window, sinks, limit)
+            self.calls[-1]["scores_only"] = not outputs
             return orig[1](q, k, v, q_pos, k_pos, q_weight, window=window, sinks=sinks, limit=limit,
                            q_sink=q_sink, outputs=outputs, in_order=in_order)
 

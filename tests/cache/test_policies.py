@@ -152,14 +152,16 @@ class PolicyChecker:
                         protected = set(range(max(0, L - recent), L)) | set(range(min(L, sinks)))
                         assert protected <= set(held), f"row {b}: {held} lacks {sorted(protected)}"
 
-        # A policy that listens to a few queries (TOVA, SnapKV) scores them in a call of their own,
-        # after the call that attends every query of the chunk; scoring calls must be causal too.
+        # A scoring policy that listens to a few queries (TOVA, SnapKV), or to every query of a
+        # prompt in an empty cache (h2o), scores them in a call of their own, after the call that
+        # attends every query of the chunk; scoring calls must be causal too.
         for call in self.recorder.calls:
             for b in range(len(lengths)):
                 for t in range(call["q_pos"].shape[1]):
                     qp = int(call["q_pos"][b, t])
                     assert all(max(seen, default=-1) <= qp for seen in visible_sets(call, b, t))
-        calls = [call for call in self.recorder.calls if call["q_pos"].shape[1] == T]
+        calls = [call for call in self.recorder.calls
+                 if call["q_pos"].shape[1] == T and not call.get("scores_only", False)]
         assert len(calls) == len(cache.layers), "one attention call per layer and model call"
         for i, (call, layer) in enumerate(zip(calls, cache.layers)):
             assert bool((call["k_pos"] <= torch.tensor(lengths, device=DEVICE)[:, None, None] - 1).all())
