@@ -104,8 +104,9 @@ def run(model, tokenizer, cells: Sequence[Cell], bench: Bench, out: Path, runner
                         write_atomic(result_path(out, cell, bench), result)
                     bar.set_postfix_str(f"{label}, sample {len(partials[0]['samples'])}/{group[0].samples} done")
 
+                # (A cell alone gains nothing from a recording: it would replay it once.)
                 results = run_cells(model, tokenizer, group, bench, [known(out, c, bench) for c in group], save,
-                                    shared)
+                                    shared if len(group) > 1 else None)
             else:
                 results = [runner(model, tokenizer, group[0], bench)]
             for cell, result in zip(group, results):
