@@ -293,6 +293,8 @@ def run_cells(model, tokenizer, cells: Sequence[Cell], bench: Bench,
     outcomes: list[list[dict]] = [[] for _ in cells]
     if shared is None and len(cells) > 1:
         shared = SharedPrefill()
+    if shared is not None:
+        shared.check_model(model)
     for sample in samples:
         ran = False
         for i, c in enumerate(cells):

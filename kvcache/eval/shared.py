@@ -33,6 +33,7 @@ each one's own pass would keep, bit for bit).
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -129,9 +130,12 @@ class SharedPrefill:
     policy, storage and ratio), and one that failed a replay is prefilled on its own from then
     on; one that passed is replayed without the check (and without computing the outputs)
     from then on. ``seconds``: time spent recording; ``replays``: caches filled by a replay.
+    One serves one model, the first it is given (``check_model``): its recordings and verdicts
+    hold for that model only.
     """
 
     def __init__(self) -> None:
+        self._model: weakref.ref | None = None
         self._recorded: Recorded | None = None
         # The latest reconstruction pass: ((policy, ids, repeat), the scored cache, its logits).
         self._scored: tuple | None = None
@@ -140,7 +144,17 @@ class SharedPrefill:
         self.seconds = 0.0
         self.replays = 0
 
+    def check_model(self, model) -> None:
+        """Bind to ``model`` on first use; ValueError for any other model (a recording of the same
+        ids, or a verdict, made with another model would fill its caches wrongly)."""
+        if self._model is None:
+            self._model = weakref.ref(model)
+        elif self._model() is not model:
+            raise ValueError("this SharedPrefill serves another model: its recordings and checked "
+                             "configurations hold for that model only; make one for each model")
+
     def recorded(self, model, ids: list[int]) -> Recorded:
+        self.check_model(model)
         if self._recorded is None or self._recorded.ids != tuple(ids):
             self._recorded = None  # let the old one go before the new one is made
             start = time.perf_counter()
@@ -158,6 +172,7 @@ class SharedPrefill:
         its own pass."""
         if cache.layers[0].storage.packed:
             return cache, kvzip.prefill(model, cache, [ids], repeat=repeat, chunk=None)
+        self.check_model(model)
         key = (policy, tuple(ids), tuple(repeat))
         if self._scored is None or self._scored[0] != key:
             self._scored = None  # let the old one go before the new one is made

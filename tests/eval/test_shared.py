@@ -5,6 +5,8 @@ the prediction scores 100 gives the score the full generation gives."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -119,6 +121,18 @@ def test_a_shared_prefill_carried_from_task_to_task_gives_each_tasks_results(tin
             assert a["score"] == b["score"]
         assert shared.checked == {f"{p} {r:g}" for p, r in SHARING[1:3]}
         assert shared.unshared == {f"{p} {r:g}" for p, r in NOT_SHARING[:1]}
+
+
+def test_a_shared_prefill_refuses_a_second_model(tiny, tokenizer):
+    cells = [Cell(p, r, "niah_single_1", 512, "query_agnostic", 1) for p, r in SHARING[:2]]
+    shared = SharedPrefill()
+    run_cells(tiny, tokenizer, cells, BENCH, shared=shared)
+    other = copy.deepcopy(tiny)
+    with pytest.raises(ValueError, match="serves another model"):
+        run_cells(other, tokenizer, cells, BENCH, shared=shared)
+    with pytest.raises(ValueError, match="serves another model"):
+        shared.recorded(other, [1, 2, 3])
+    assert shared.checked == {f"{p} {r:g}" for p, r in SHARING[1:2]} | {"dense 0"}
 
 
 def test_run_cells_rejects_cells_with_other_samples(tiny, tokenizer):
