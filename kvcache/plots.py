@@ -146,14 +146,15 @@ def passkey_heatmaps(report: dict, path: Path, budget: float) -> None:
 # --- RULER and dataset sweeps ----------------------------------------------------------------
 
 
-def sweep_plots(data: dict, tasks: list[str], header: dict, out: Path) -> list[str]:
+def sweep_plots(data: dict, tasks: list[str], header: dict, out: Path, errors: dict | None = None) -> list[str]:
     """score_vs_ratio.png and one task_heatmap_ratio-<r>.png per ratio; returns the names.
     ``data``: {(policy, ratio, protocol): {task: score}} (kvcache.eval.leaderboard.table);
-    ``tasks``: the heatmaps' rows, in order."""
+    ``tasks``: the heatmaps' rows, in order; ``errors``: the same keys to each average's
+    standard error (kvcache.eval.leaderboard.errors), drawn as error bars where given."""
     if not data:
         return []
     names = ["score_vs_ratio.png"]
-    score_vs_ratio(data, header, Path(out) / names[0])
+    score_vs_ratio(data, header, Path(out) / names[0], errors or {})
     for ratio in sorted({k[1] for k in data if k[1] > 0}):
         name = f"task_heatmap_ratio-{ratio:g}.png"
         task_heatmap(data, tasks, header, ratio, Path(out) / name)
@@ -165,24 +166,40 @@ def _average(per_task: dict) -> float:
     return sum(per_task.values()) / len(per_task)
 
 
-def score_vs_ratio(data: dict, header: dict, path: Path) -> None:
-    """Average score over tasks against the compression ratio, one panel per protocol."""
+def score_vs_ratio(data: dict, header: dict, path: Path, errors: dict | None = None) -> None:
+    """Average score over tasks against the compression ratio, one panel per protocol, with
+    one standard error either side where ``errors`` gives it (a band for the rows that keep
+    every token; bars, each policy's nudged sideways so that they do not hide each other)."""
     plt = _pyplot()
+    errors = errors or {}
     protocols = _protocols(k[2] for k in data)
     policies = list(dict.fromkeys(sorted((k[0] for k in data), key=lambda p: p != "dense")))
     ratios = sorted({k[1] for k in data if k[1] > 0}) or [0.0]
+    nudge = 0.012 * ((ratios[-1] - ratios[0]) or 0.1) * 4 / max(len(policies), 1)
+    # The axis ends a little above the highest bar, not at 100: a grid that scores 30 at best
+    # would otherwise be drawn in the bottom third.
+    top = min(103.0, max(_average(v) + (errors.get(k) or 0.0) for k, v in data.items()) + 8.0)
     fig, axes = plt.subplots(1, len(protocols), figsize=(5.4 * len(protocols), 4.4), squeeze=False)
     axes = axes[0]
     for ax, protocol in zip(axes, protocols):
         for i, policy in enumerate(policies):
-            points = sorted((k[1], _average(v)) for k, v in data.items() if k[0] == policy and k[2] == protocol)
+            keys = sorted((k for k in data if k[0] == policy and k[2] == protocol), key=lambda k: k[1])
+            points = [(k[1], _average(data[k]), errors.get(k)) for k in keys]
             style = _style(i, policy)
-            if policy == "dense" or all(r == 0 for r, _ in points):
-                ax.axhline(points[0][1], label=f"{policy} (no compression)", **{**style, "marker": None})
+            if policy == "dense" or all(r == 0 for r, _, _ in points):
+                _, score, error = points[0]
+                ax.axhline(score, label=f"{policy} (no compression)", **{**style, "marker": None})
+                if error is not None:
+                    ax.axhspan(score - error, score + error, color=style["color"], alpha=0.08, linewidth=0)
+                continue
+            xs = [r + (i - len(policies) / 2) * nudge for r, _, _ in points]
+            ys = [s for _, s, _ in points]
+            if all(e is not None for _, _, e in points):
+                ax.errorbar(xs, ys, yerr=[e for _, _, e in points], label=policy, capsize=2, elinewidth=0.9, **style)
             else:
-                ax.plot([r for r, _ in points], [s for _, s in points], label=policy, **style)
+                ax.plot(xs, ys, label=policy, **style)
         _ticks(ax, ratios, "compression ratio (fraction of the context removed)")
-        ax.set(ylabel="average score over tasks (0-100)", ylim=(-3, 103),
+        ax.set(ylabel="average score over tasks (0-100)" + (", ± 1 s.e." if errors else ""), ylim=(-3, top),
                title=protocol.replace("_", "-"))
     axes[-1].legend(loc="center left", bbox_to_anchor=(1.02, 0.5), fontsize=8)
     fig.suptitle(_title(header), fontsize=9)

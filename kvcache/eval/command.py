@@ -175,7 +175,8 @@ def _sweep(args, kind: str, out: Path, dtype: torch.dtype | None, progress: bool
         from .. import plots
 
         data = leaderboard.table(results)
-        written += plots.sweep_plots(data, leaderboard.task_order(results), header, out)
+        written += plots.sweep_plots(data, leaderboard.task_order(results), header, out,
+                                     leaderboard.errors(results))
     print(table, end="")
     print(f"wrote {out}/: {', '.join(written)}", file=sys.stderr)
 
