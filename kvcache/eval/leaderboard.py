@@ -34,15 +34,8 @@ def skipped(results: list[dict]) -> dict[str, str]:
 def table(results: list[dict]) -> dict:
     """{(policy, ratio, protocol): {task: mean score over lengths}}; dense (ratio 0) appears
     under every protocol, since it compresses nothing."""
-    protocols = _protocols(results)
-    sums: dict = defaultdict(lambda: defaultdict(list))
-    for r in results:
-        if r.get("skipped"):
-            continue
-        c = r["cell"]
-        for protocol in protocols if c["ratio"] == 0 else [c["protocol"]]:
-            sums[(c["policy"], c["ratio"], protocol)][c["task"]].append(r["score"])
-    return {key: {task: sum(v) / len(v) for task, v in tasks.items()} for key, tasks in sums.items()}
+    return {key: {task: sum(sum(s.values()) / len(s) for s in lengths.values()) / len(lengths)
+                  for task, lengths in tasks.items()} for key, tasks in _cells(results).items()}
 
 
 def average(per_task: dict[str, float]) -> float:
