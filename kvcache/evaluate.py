@@ -21,7 +21,7 @@ from tqdm import tqdm
 from .cache.registry import budget_options, check_names, make_cache, parse_name
 from .cache.registry import policies as registered_policies
 from .generate import generate
-from .tasks import PASSKEY_QUESTION, TaskMaker
+from .tasks import TaskMaker
 
 # The order of protocols everywhere (reports, plots): the context compressed first, then with the question.
 PROTOCOLS = ("query_agnostic", "query_aware")
@@ -76,12 +76,13 @@ def streaming(model, ids: torch.Tensor, policy: str, cache_length: int, chunk: i
 
 @torch.inference_mode()
 def passkey(model, tasks: TaskMaker, policy: str, budget: float, length: int, depth: float,
-            trials: int, protocol: str) -> float:
-    """Fraction of ``trials`` answered exactly (greedy) at this length and depth."""
+            trials: int, protocol: str, chat: tuple[str, str] | None = None) -> float:
+    """Fraction of ``trials`` answered exactly (greedy) at this length and depth. ``chat``: the
+    chat template's text around a user message, to ask as a conversation (``TaskMaker.passkey``)."""
     correct = 0
+    question = len(tasks.passkey_question(chat))
     for _ in range(trials):
-        prompt, answer = tasks.passkey(length, depth=depth)
-        question = len(tasks.encode(PASSKEY_QUESTION))
+        prompt, answer = tasks.passkey(length, depth=depth, chat=chat)
         context = len(prompt) - question
         cache_length = len(prompt) + len(answer) if _keeps_all(policy) else max(8, round(budget * context))
         cache = make_cache(model, policy, cache_length=cache_length, **budget_options(policy, cache_length))
@@ -128,9 +129,11 @@ def reference_logprobs(model, held_out: torch.Tensor, stream_tokens: int) -> tor
 
 
 def run_unit(model, tokenizer, unit: Unit, filler: torch.Tensor, held_out: torch.Tensor, *, trials: int,
-             stream_tokens: int, chunk: int, seed: int, reference: torch.Tensor | None = None) -> dict:
+             stream_tokens: int, chunk: int, seed: int, reference: torch.Tensor | None = None,
+             chat: tuple[str, str] | None = None) -> dict:
     """The report row of ``unit``. filler: token stream for passkey contexts; held_out: (N,) text
-    for streaming; ``reference``: ``reference_logprobs`` of held_out, computed here if None."""
+    for streaming; ``reference``: ``reference_logprobs`` of held_out, computed here if None;
+    ``chat``: passkey prompts as a conversation (``passkey``)."""
     if unit.kind == "streaming":
         # Token streams are read on the CPU (read_texts); the model may be elsewhere.
         ids = held_out[None, :stream_tokens].to(model.embed_tokens.weight.device)
@@ -142,7 +145,7 @@ def run_unit(model, tokenizer, unit: Unit, filler: torch.Tensor, held_out: torch
     if unit.kind != "passkey":
         raise ValueError(f"unknown unit kind {unit.kind!r}; the grid has streaming and passkey units")
     tasks = TaskMaker(filler, tokenizer, seed=seed + unit.length)  # same keys for every policy
-    acc = passkey(model, tasks, unit.policy, unit.budget, unit.length, unit.depth, trials, unit.protocol)
+    acc = passkey(model, tasks, unit.policy, unit.budget, unit.length, unit.depth, trials, unit.protocol, chat)
     return {"policy": unit.policy, "budget": unit.budget, "protocol": unit.protocol, "length": unit.length,
             "depth": unit.depth, "accuracy": acc}
 
@@ -154,12 +157,14 @@ def report(grid: Grid, done: list[tuple[Unit, dict]]) -> dict:
 
 
 def evaluate(model, tokenizer, filler: torch.Tensor, held_out: torch.Tensor, grid: Grid,
-             protocols: tuple[str, ...] = PROTOCOLS, progress: bool = True) -> dict:
+             protocols: tuple[str, ...] = PROTOCOLS, progress: bool = True,
+             chat: tuple[str, str] | None = None) -> dict:
     """Run the grid in this process. filler: token stream for passkey contexts; held_out: (N,)
-    text for streaming."""
+    text for streaming; ``chat``: passkey prompts as a conversation (``passkey``)."""
     todo = units(grid, protocols)
     reference = reference_logprobs(model, held_out, grid.stream_tokens)
-    settings = dict(trials=grid.trials, stream_tokens=grid.stream_tokens, chunk=grid.chunk, seed=grid.seed)
+    settings = dict(trials=grid.trials, stream_tokens=grid.stream_tokens, chunk=grid.chunk, seed=grid.seed,
+                    chat=chat)
     done = []
     for unit in tqdm(todo, desc="eval", unit="cell", disable=not progress):
         done.append((unit, run_unit(model, tokenizer, unit, filler, held_out, reference=reference, **settings)))

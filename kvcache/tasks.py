@@ -4,6 +4,9 @@ Retrieval tasks hide needles in corpus text and ask for them at the end, so the 
 on attention to tokens far back:
     passkey   "The pass key is 48213. Remember it. 48213 is the pass key." at some depth;
               the sequence ends with "What is the pass key? The pass key is 48213."
+              For an instruction-tuned model, ``chat`` writes it as a conversation: a user
+              message that says what to look for, holds the text and asks; the assistant's
+              answer starts "The pass key is".
     lookup    several "The code for Harriet is 5124." lines; the question names one of them.
     repeat    (training only) a span of the text copied verbatim further on; every token of the
               copy after its first is predictable by attending back, a dense signal for the
@@ -23,6 +26,12 @@ NAMES = ("Harriet", "Edmund", "Marianne", "Darcy", "Fanny", "Willoughby", "Emma"
 ANSWER_WEIGHT = 10.0
 # The question that ends every passkey prompt; the answer (" 48213.") follows it.
 PASSKEY_QUESTION = " What is the pass key? The pass key is"
+# In a conversation: what the user's message starts with, what it ends with, and what the
+# assistant's turn starts with (the answer follows it, as above).
+PASSKEY_INSTRUCTION = ("There is a pass key hidden in the text below. Find it and memorize it: "
+                       "I will ask you for it afterwards.\n")
+PASSKEY_ASK = "\nWhat is the pass key?"
+PASSKEY_ANSWER_PREFIX = "The pass key is"
 
 # The held-out public-domain texts shipped with the package (sources and licences in LICENSES.md
 # there), so that evaluation works from any directory.
@@ -46,6 +55,16 @@ def read_texts(directory: str | Path | None, tokenizer) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
+def start_ids(tokenizer, opening: str = "") -> list[int]:
+    """What a prompt starts with before its text: the tokenizer's beginning-of-text token, if it
+    has one and ``opening`` (a chat template's text before the user's message, or "") does not
+    write it itself."""
+    if tokenizer.bos_token_id is None:
+        return []
+    bos_text = tokenizer.special_tokens.get("bos_token") if opening else None
+    return [] if bos_text and opening.startswith(bos_text) else [tokenizer.bos_token_id]
+
+
 class TaskMaker:
     """Builds task sequences from a token stream of filler text (``read_texts``)."""
 
@@ -53,8 +72,7 @@ class TaskMaker:
         self.tok = tokenizer
         self.rng = random.Random(seed)
         self.stream = stream
-        # Sequences start with the tokenizer's beginning-of-text token, if it has one.
-        self.start = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+        self.start = start_ids(tokenizer)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False)
@@ -63,16 +81,28 @@ class TaskMaker:
         start = self.rng.randrange(0, len(self.stream) - n - 1)
         return self.stream[start : start + n].tolist()
 
-    def passkey(self, length: int, depth: float | None = None, key: int | None = None):
-        """(tokens, answer) of about ``length`` tokens with the needle at ``depth`` in [0, 1]."""
+    def passkey(self, length: int, depth: float | None = None, key: int | None = None,
+                chat: tuple[str, str] | None = None):
+        """(tokens, answer) of about ``length`` tokens with the needle at ``depth`` in [0, 1].
+        ``chat``: the chat template's text before and after a user message (with the generation
+        prompt), to write the prompt as a conversation; the prompt then ends with
+        ``passkey_question(chat)`` as it otherwise ends with ``PASSKEY_QUESTION``."""
         key = self.rng.randrange(10000, 100000) if key is None else key
         depth = self.rng.random() if depth is None else depth
+        head = self.start if chat is None else start_ids(self.tok, chat[0]) + self.encode(chat[0] + PASSKEY_INSTRUCTION)
         needle = self.encode(f" The pass key is {key}. Remember it. {key} is the pass key. ")
-        question = self.encode(PASSKEY_QUESTION)
+        question = self.passkey_question(chat)
         answer = self.encode(f" {key}.")
-        fill = self.filler(max(0, length - len(needle) - len(question) - len(answer) - len(self.start)))
+        fill = self.filler(max(0, length - len(needle) - len(question) - len(answer) - len(head)))
         at = int(depth * len(fill))
-        return self.start + fill[:at] + needle + fill[at:] + question, answer
+        return head + fill[:at] + needle + fill[at:] + question, answer
+
+    def passkey_question(self, chat: tuple[str, str] | None = None) -> list[int]:
+        """The ids a passkey prompt ends with, after its context: the question, and with ``chat``
+        the end of the user's message and the start of the assistant's answer."""
+        if chat is None:
+            return self.encode(PASSKEY_QUESTION)
+        return self.encode(PASSKEY_ASK + chat[1] + PASSKEY_ANSWER_PREFIX)
 
     def lookup(self, length: int, needles: int = 3):
         names = self.rng.sample(NAMES, needles)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -12,8 +14,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import kvcache
 from kvcache.cli import main
+from kvcache.eval.sample import chat_parts
 from kvcache.evaluate import Grid, evaluate, markdown, streaming
-from kvcache.tasks import ANSWER_WEIGHT, TaskMaker, read_texts
+from kvcache.tasks import (ANSWER_WEIGHT, PASSKEY_ANSWER_PREFIX, PASSKEY_ASK, PASSKEY_INSTRUCTION, PASSKEY_QUESTION,
+                           TaskMaker, read_texts)
 from conftest import DEVICE
 
 transformers = pytest.importorskip("transformers")
@@ -70,6 +74,30 @@ def test_passkey_prompt_hides_the_key_at_the_requested_depth(setup):
         # The filler splits around the needle in the proportion depth : 1 - depth.
         share = len(before) / (len(before) + len(after))
         assert abs(share - depth) < 0.05, (depth, share)
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|bos|>user\n{{ m['content'] }}<|eos|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|bos|>assistant\n{% endif %}")
+
+
+def test_chat_passkey_prompt_is_a_conversation(setup):
+    *_, tokenizer, stream = setup
+    chat = chat_parts(dataclasses.replace(tokenizer, chat_template=CHAT_TEMPLATE))
+    tasks = TaskMaker(stream, tokenizer, seed=1)
+    prompt, answer = tasks.passkey(400, depth=0.5, key=54321, chat=chat)
+    assert abs(len(prompt) + len(answer) - 400) <= 2 and tokenizer.decode(answer).strip() == "54321."
+    # The template writes the beginning-of-text token itself: it is not doubled.
+    assert prompt[0] == tokenizer.bos_token_id and prompt[1] != tokenizer.bos_token_id
+    text = tokenizer.decode(prompt, skip_special_tokens=False)
+    assert text.startswith("<|bos|>user\n" + PASSKEY_INSTRUCTION)
+    assert text.endswith(PASSKEY_ASK + "<|eos|>\n<|bos|>assistant\n" + PASSKEY_ANSWER_PREFIX)
+    assert "The pass key is 54321. Remember it." in text
+    # The question is where evaluate splits the context from what follows it.
+    question = tasks.passkey_question(chat)
+    assert prompt[-len(question):] == question and tokenizer.decode(question).startswith(PASSKEY_ASK)
+    # The same seed and key without chat: the prompt the bundled model was trained on.
+    plain, _ = TaskMaker(stream, tokenizer, seed=1).passkey(400, depth=0.5, key=54321)
+    assert tokenizer.decode(plain).endswith(PASSKEY_QUESTION) and PASSKEY_INSTRUCTION not in tokenizer.decode(plain)
 
 
 def test_lookup_answer_is_the_code_of_the_named_person(setup):
@@ -177,3 +205,24 @@ def test_cli_eval_quick(setup, tmp_path, capsys):
     report = json.loads((out / "report.json").read_text())
     assert {s["policy"] for s in report["streaming"]} == {"dense", "window", "sink", "h2o"}
     assert (out / "quality_vs_budget.png").exists() and (out / "passkey_heatmap_budget-0.25.png").exists()
+
+
+def test_cli_eval_passkey_as_a_conversation(setup, tmp_path, capsys):
+    model_dir, texts, *_ = setup
+    chatty = tmp_path / "chatty"
+    shutil.copytree(model_dir, chatty)
+    config = json.loads((chatty / "tokenizer_config.json").read_text())
+    (chatty / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHAT_TEMPLATE}))
+    args = ["eval", "--texts", str(texts), "--quick", "--lengths", "64", "--stream-tokens", "64",
+            "--policies", "dense,window"]
+    out = tmp_path / "out"
+    assert main(args + ["--model", str(chatty), "--out", str(out), "--chat"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["header"]["chat template"] == "yes"
+    # Without --chat the same grid is other cells: nothing is taken from the conversation's.
+    capsys.readouterr()
+    assert main(args + ["--model", str(chatty), "--out", str(out)]) == 0
+    assert ", 0 already" in capsys.readouterr().err
+    # A checkpoint without a chat template is refused before anything is written.
+    assert main(args + ["--model", str(model_dir), "--out", str(tmp_path / "none"), "--chat"]) == 2
+    assert "has no chat template" in capsys.readouterr().err and not (tmp_path / "none").exists()

@@ -25,6 +25,7 @@ from ..threads import for_model as threads_for_model
 from . import dataset as ds
 from . import leaderboard, ruler, sweep
 from .cell import PROTOCOLS, Bench
+from .sample import chat_parts
 
 DEFAULT_RATIOS = (0.25, 0.5, 0.75)
 DEFAULT_RULER_LENGTHS = (4096,)
@@ -69,6 +70,16 @@ def check_grid(policies, model=None) -> None:
                     raise ValueError(f"--policies {name}: {e}") from None
 
 
+def check_chat(args, tokenizer) -> None:
+    """``--chat`` needs a chat template that renders a user's message as it is given."""
+    if not args.chat:
+        return
+    if tokenizer.chat_template is None:
+        raise ValueError(f"--chat: {args.model or 'the bundled model'} has no chat template (it was not trained "
+                         "for chat); drop --chat")
+    chat_parts(tokenizer)
+
+
 def benchmark(args) -> str:
     kind = args.benchmark or ("dataset" if args.dataset is not None else "passkey")
     if args.benchmark == "passkey" and args.dataset is not None:
@@ -83,7 +94,7 @@ def run(args, out: Path, dtype: torch.dtype | None, progress: bool) -> None:
     kind = benchmark(args)
     sweep_only = ("ratios", "tasks", "protocols", "samples", "seed", "metric")
     if kind == "passkey":
-        given = [f"--{k}" for k in sweep_only if getattr(args, k) not in (None, False)] + (["--chat"] if args.chat else [])
+        given = [f"--{k}" for k in sweep_only if getattr(args, k) not in (None, False)]
         if given:
             raise ValueError(f"{', '.join(given)} apply to --benchmark ruler or dataset, not passkey")
         return _passkey(args, out, dtype, progress)
@@ -141,6 +152,7 @@ def _sweep(args, kind: str, out: Path, dtype: torch.dtype | None, progress: bool
     cells = sweep.plan(policies, ratios, tasks, lengths, protocols, samples, args.seed or 0)
     model_name = args.model or f"bundled ({BUNDLED_MODEL.name})"
     tokenizer = load_tokenizer(args.model)
+    check_chat(args, tokenizer)
     model = load(args.model, dtype=dtype, device=args.device, weights=args.weights)
     threads_for_model(model)
     check_grid(policies, model)
@@ -202,6 +214,7 @@ def _passkey(args, out: Path, dtype: torch.dtype | None, progress: bool) -> None
                          "is not run by the passkey grid (streaming perplexity, one prompt at a time); evaluate "
                          "it with --benchmark ruler or --dataset FILE.jsonl")
     tokenizer = load_tokenizer(args.model)
+    check_chat(args, tokenizer)
     model = load(args.model, dtype=dtype, device=args.device, weights=args.weights)
     threads_for_model(model)
     check_grid(grid.policies, model)
@@ -209,7 +222,7 @@ def _passkey(args, out: Path, dtype: torch.dtype | None, progress: bool) -> None
     runner.stream(tokenizer, args.texts)  # the texts, read (and checked) once before anything is written
     out = out_dir(str(out))  # the first thing written: after every check above
     # Every unit of the grid is a cell written to OUT/cells/ as it finishes: a rerun resumes.
-    cells, bench = passkey.plan(grid), Bench.make("passkey", texts=args.texts, weights=args.weights)
+    cells, bench = passkey.plan(grid), Bench.make("passkey", texts=args.texts, chat=args.chat, weights=args.weights)
     done = len(cells) - len(sweep.pending(cells, bench, out))
     print(f"kvcache eval: writing the report to {out}/ (--out DIR to change); {len(cells)} cells, {done} already "
           f"in {out}/cells", file=sys.stderr)
@@ -226,7 +239,8 @@ def _passkey(args, out: Path, dtype: torch.dtype | None, progress: bool) -> None
                         "lengths": ", ".join(map(str, grid.lengths)), "trials": grid.trials,
                         "depths": ", ".join(f"{d:g}" for d in grid.depths),
                         "budgets (fraction kept)": ", ".join(f"{b:g}" for b in grid.budgets),
-                        "streaming tokens": grid.stream_tokens, "weights": args.weights}
+                        "streaming tokens": grid.stream_tokens, "weights": args.weights,
+                        "chat template": "yes" if args.chat else "no"}
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     table = markdown(report)
     (out / "report.md").write_text(table)

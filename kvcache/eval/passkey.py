@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from ..evaluate import PROTOCOLS, Grid, Unit, report, run_unit, units
 from ..tasks import read_texts
 from .cell import Bench
+from .sample import chat_parts
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,8 @@ class Runner:
         start = time.perf_counter()
         stream = self.stream(tokenizer, bench.texts)
         row = run_unit(model, tokenizer, cell.unit, stream, stream, trials=cell.trials,
-                       stream_tokens=cell.stream_tokens, chunk=cell.chunk, seed=cell.seed)
+                       stream_tokens=cell.stream_tokens, chunk=cell.chunk, seed=cell.seed,
+                       chat=chat_parts(tokenizer) if bench.chat else None)
         score = row["accuracy"] if cell.kind == "passkey" else row["top1_agreement"]
         return {"cell": asdict(cell), "bench": asdict(bench), "score": 100 * score, "row": row,
                 "seconds": time.perf_counter() - start}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..tasks import start_ids
 from .scoring import SCORERS
 
 
@@ -72,12 +73,8 @@ def chat_parts(tokenizer) -> tuple[str, str]:
 def encode(tokenizer, sample: Sample, chat: bool = False) -> Encoded:
     """The ids a run feeds. Each part is tokenized on its own so that the boundary between the
     part that is compressed first and the rest is exact in tokens."""
-    start = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
     opening, closing = chat_parts(tokenizer) if chat else ("", "")
-    bos_text = tokenizer.special_tokens.get("bos_token")
-    if bos_text and opening.startswith(bos_text):
-        start = []  # the template writes bos itself
-    context = start + tokenizer.encode(opening + sample.context, add_special_tokens=False)
+    context = start_ids(tokenizer, opening) + tokenizer.encode(opening + sample.context, add_special_tokens=False)
     question = tokenizer.encode(sample.question + closing, add_special_tokens=False)
     prefix = tokenizer.encode(sample.answer_prefix, add_special_tokens=False)
     return Encoded(context, question, prefix)
