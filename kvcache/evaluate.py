@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .cache.registry import budget_options, check_names, make_cache, parse_name
+from .cache.registry import budget_options, check_names, make_cache, parse_name, reconstructs
 from .cache.registry import policies as registered_policies
 from .generate import generate
 from .tasks import TaskMaker
@@ -29,8 +29,10 @@ PROTOCOLS = ("query_agnostic", "query_aware")
 
 @dataclass
 class Grid:
-    # Every registered policy, dense (the reference) first.
-    policies: list[str] = field(default_factory=lambda: sorted(registered_policies(), key=lambda name: name != "dense"))
+    # Every registered policy the grid runs, dense (the reference) first: not one that scores a
+    # context by reconstructing it (kvzip), which needs a pass this grid's prompts do not make.
+    policies: list[str] = field(default_factory=lambda: sorted(
+        (p for p in registered_policies() if not reconstructs(p)), key=lambda name: name != "dense"))
     budgets: list[float] = field(default_factory=lambda: [0.125, 0.25, 0.5])
     lengths: list[int] = field(default_factory=lambda: [512, 1024, 2048])
     depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])

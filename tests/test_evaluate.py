@@ -188,6 +188,14 @@ def test_grid_report_table_and_plots(setup, tmp_path):
     assert (tmp_path / "h.png").stat().st_size > 1000
 
 
+def test_the_default_grid_runs_every_policy_it_can():
+    from kvcache.cache.registry import policies, reconstructs
+
+    grid = Grid()
+    assert grid.policies[0] == "dense" and "kvzip" not in grid.policies
+    assert set(grid.policies) == {p for p in policies() if not reconstructs(p)}
+
+
 def test_bad_grids_are_rejected():
     with pytest.raises(ValueError, match="budgets"):
         Grid(budgets=[0.0])

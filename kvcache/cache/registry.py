@@ -80,6 +80,12 @@ def policy_class(policy: str) -> type[LayerCache]:
     return _lookup(parse_name(policy)[0])
 
 
+def reconstructs(policy: str) -> bool:
+    """Whether ``policy`` scores a context by a reconstruction pass (kvcache.kvzip), which only
+    the runs that make that pass can fill its cache by."""
+    return getattr(policy_class(policy), "reconstructs", False)
+
+
 def policies() -> dict[str, str]:
     """Registered policy names with a one-line description each."""
     _discover()

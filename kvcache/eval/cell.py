@@ -37,7 +37,7 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from ..cache.registry import budget_options, make_cache, policy_class
+from ..cache.registry import budget_options, make_cache, policy_class, reconstructs
 from ..checkpoint import WEIGHTS
 from ..generate import decode_loop, greedy
 from ..kvzip import prefill as reconstruct_context
@@ -133,11 +133,6 @@ class Cell:
 
 def keeps_all(policy: str) -> bool:
     return not policy_class(policy).evicts
-
-
-def reconstructs(policy: str) -> bool:
-    """Whether the policy scores a context by a reconstruction pass (kvcache.kvzip)."""
-    return getattr(policy_class(policy), "reconstructs", False)
 
 
 def cell_samples(tokenizer, cell: Cell, bench: Bench) -> list[Sample]:

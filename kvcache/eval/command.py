@@ -205,7 +205,7 @@ def _passkey(args, out: Path, dtype: torch.dtype | None, progress: bool) -> None
                                                "stream_tokens") if getattr(args, k) is not None}
     check_grid(overrides.get("policies", ()))
     grid = Grid(**{**grid.__dict__, **overrides})
-    from .cell import reconstructs
+    from ..cache.registry import reconstructs
 
     check_grid(grid.policies)
     passes = [p for p in grid.policies if reconstructs(p)]

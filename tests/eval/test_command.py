@@ -105,6 +105,9 @@ def test_bad_flags_are_clear_errors(tmp_path, capsys, flags, message):
     (["--benchmark", "ruler", "--policies", "dense,h2o:kivi9"], "unknown storage 'kivi9'"),
     (["--benchmark", "ruler", "--policies", "dense,h2o:token4/7", "--lengths", "512"], "must divide head_dim"),
     (["--benchmark", "ruler", "--tasks", "niah_single_1,qa_3", "--lengths", "512"], "unknown RULER task\\(s\\) qa_3"),
+    # a checkpoint with no chat template, asked for conversations
+    (["--benchmark", "ruler", "--chat", "--lengths", "512"], "--chat: .* has no chat template"),
+    (["--chat", "--lengths", "512"], "--chat: .* has no chat template"),
 ])
 def test_a_bad_grid_fails_before_any_cell_and_writes_nothing(tiny_dir, tmp_path, monkeypatch, capsys, flags, message):
     import re
