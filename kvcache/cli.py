@@ -318,7 +318,8 @@ def _add_eval(commands) -> None:
                     help="held-out .txt files for streaming, passkey filler and RULER's essay haystack (default: the "
                          "ones packaged in kvcache/data/texts)")
     ev.add_argument("--policies", "--policy", type=_names, metavar="A,B",
-                    help="comma-separated (default: every policy the benchmark runs; the passkey grid runs all but kvzip), each policy[(option=value,...)][:storage], e.g. "
+                    help="comma-separated (default: every policy the benchmark runs; the passkey grid runs all "
+                         "but kvzip), each policy[(option=value,...)][:storage], e.g. "
                          "dense,snapkv,snapkv(window=64,kernel=5):int8; --policy is the same flag")
     ev.add_argument("--budgets", type=_list(float), metavar="F,F",
                     help="fractions of the context KEPT (passkey default: 0.125,0.25,0.5)")

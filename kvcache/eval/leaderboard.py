@@ -56,7 +56,8 @@ def _cells(results: list[dict]) -> dict:
             continue
         c = r["cell"]
         for protocol in protocols if c["ratio"] == 0 else [c["protocol"]]:
-            found[(c["policy"], c["ratio"], protocol)][c["task"]][c["length"]] = {o["index"]: o["score"] for o in r["samples"]}
+            scores = {o["index"]: o["score"] for o in r["samples"]}
+            found[(c["policy"], c["ratio"], protocol)][c["task"]][c["length"]] = scores
     return found
 
 
@@ -133,7 +134,8 @@ def markdown(results: list[dict], header: dict) -> str:
         name = protocol.replace("_", "-")
 
         def grid(title: str, cell, keep=lambda policy: True) -> list[str]:
-            out = [title, "", "| policy | " + " | ".join(f"{r:g}" for r in ratios) + " |", "|---|" + "---:|" * len(ratios)]
+            out = [title, "", "| policy | " + " | ".join(f"{r:g}" for r in ratios) + " |",
+                   "|---|" + "---:|" * len(ratios)]
             for policy in filter(keep, policies):
                 ratio_of = {ratio for p, ratio, _ in rows if p == policy}
                 at = [0.0] * len(ratios) if ratio_of == {0.0} else ratios  # a row that keeps all fills every ratio
