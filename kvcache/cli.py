@@ -348,6 +348,9 @@ def _add_eval(commands) -> None:
                          "finished cells are kept there and a rerun resumes")
     ev.add_argument("--no-plots", action="store_true", help="write the JSON and Markdown reports only (no matplotlib)")
     ev.add_argument("--threads", type=_int_at_least(1), metavar="N", help=THREADS_HELP)
+    ev.add_argument("--batch", type=_int_at_least(1), metavar="N",
+                    help="ruler/dataset: decode the answers of up to N cells to a sample as one batch, each row "
+                         "attending its own cache (default: 8; each holds a cache at once; 1: one at a time)")
     ev.add_argument("--quick", action="store_true", help="a smoke run of well under a minute")
     ev.add_argument("--report-only", action="store_true",
                     help="ruler/dataset: write the report from the cells already finished under --out, "

@@ -6,9 +6,10 @@ from .candidates import Candidates
 from .headwise import HeadwiseCache
 from .options import OptionInfo, option
 from .registry import budget_options, make_cache, option_info, policies, policy_options, register, storages
+from .rows import Rows
 
 __all__ = [
-    "Candidates", "CacheSpec", "HeadwiseCache", "KVCache", "LayerCache", "OptionInfo", "Step",
+    "Candidates", "CacheSpec", "HeadwiseCache", "KVCache", "LayerCache", "OptionInfo", "Rows", "Step",
     "adaptive_head_budgets", "budget_options", "layer_budgets", "make_cache", "option", "option_info",
     "policies", "policy_options", "register", "storages",
 ]

@@ -23,7 +23,11 @@ for all the ratios of a sample, shared.py), then takes the rest and decodes as e
 Decoding is greedy, as ``generate``'s, and stops early in one case only: under a metric that more
 text cannot lower (``MONOTONE``), once the prediction scores 100, the score the whole generation
 would get. ``run_cells`` runs the cells that share their samples sample by sample, so that each
-sample's first chunk is prefilled once for every policy that computes it alike (shared.py).
+sample's first chunk is prefilled once for every policy that computes it alike (shared.py), and
+decodes the cells' answers to a sample as the rows of one batch, each row attending its own
+cache (``kvcache.cache.Rows``): a small model's decode step is bound by reading its weights, which
+a batch reads once for all its rows. A row's tokens are those of its cell run alone up to the
+rounding of the batched matmuls, as a change of thread count changes it.
 """
 
 from __future__ import annotations
@@ -38,13 +42,15 @@ from typing import Callable, Mapping, Sequence
 import torch
 
 from ..cache.registry import budget_options, make_cache, policy_class, reconstructs
+from ..cache.base import KVCache
+from ..cache.rows import Rows
 from ..checkpoint import WEIGHTS
-from ..generate import decode_loop, greedy
+from ..generate import greedy
 from ..kvzip import prefill as reconstruct_context
 from ..kvzip import repeat_ids
 from . import dataset as ds
 from . import ruler
-from .sample import Sample, chat_parts, encode
+from .sample import Encoded, Sample, chat_parts, encode
 from .scoring import score
 from .shared import SharedPrefill
 
@@ -162,6 +168,11 @@ def make_cell_cache(model, policy: str, ratio: float, first: int, total: int,
     return make_cache(model, policy, cache_length=kept, **options)
 
 
+# Cells of a sample whose answers decode as one batch (``run_cells``): a step reads the weights
+# once for all of them, and each holds its cache at once (up to BATCH caches of the prompt's size).
+BATCH = 8
+
+
 # Metrics under which a longer prediction never scores less (a reference found stays found), so
 # that generation can stop once the prediction scores 100: the rest could not change the score.
 MONOTONE = ("string_match_all", "string_match_part")
@@ -190,48 +201,119 @@ def answer(model, cache, logits: torch.Tensor, rest: list[int], max_new_tokens: 
     (1, vocab): ``rest`` (the question and answer prefix; may be empty) in one call, then one
     token at a time as ``generate`` does greedily, up to ``max_new_tokens``, the model's eos
     (kept) or ``finished(tokens so far)``."""
-    device = model.embed_tokens.weight.device
-    if rest:
-        logits = model(torch.tensor([rest], device=device), cache, last_only=True)[:, 0]
-    stops = stop_ids(model)
-    return decode_loop([[]], logits, lambda tokens: model.decode(tokens, cache), max_new_tokens, greedy,
-                       lambda b, tokens: tokens[-1] in stops or finished(tokens))[0]
+    return answers(model, [cache], logits, rest, max_new_tokens, [finished])[0][0]
 
 
 @torch.inference_mode()
-def run_sample(model, tokenizer, sample: Sample, policy: str, ratio: float, protocol: str,
-               chat: bool = False, shared: SharedPrefill | None = None) -> dict:
-    """One sample through a fresh cache of ``policy`` at ``ratio``. ``shared``: take the first
-    chunk's prefill from there when the policy computes it as dense does (shared.py); the
-    outcome is the same either way."""
-    enc = encode(tokenizer, sample, chat)
-    how = "own"  # how the first chunk was prefilled: by this cell, or replayed from a shared prefill
-    first = len(enc.context) + (len(enc.question) if protocol == "query_aware" else 0)
-    total = len(enc) + sample.max_new_tokens
-    ids = enc.ids
+def answers(model, caches: Sequence, logits: torch.Tensor, rest: list[int], max_new_tokens: int,
+            finished: Sequence[Callable[[list[int]], bool]]) -> tuple[list[list[int]], list[float]]:
+    """``answer`` for several one-row caches at once, each after the same first chunk held its
+    own way (the cells of one sample), decoded as the rows of one batch (``kvcache.cache.Rows``):
+    the weights are read once a step for all of them. logits: (N, vocab), row i after
+    ``caches[i]``'s chunk; ``finished[i]`` ends row i, which then leaves the batch.
+
+    Returns each row's tokens and its share of the time: each call's seconds split evenly over
+    the rows it ran. Each row's tokens are those ``answer`` gives it alone, up to the rounding of
+    the batched matmuls (one row: the same call, bit for bit)."""
+    if not len(caches) == logits.shape[0] == len(finished):
+        raise ValueError(f"answers takes one row of logits and one finished test per cache: {len(caches)} "
+                         f"caches, logits {tuple(logits.shape)}, {len(finished)} tests")
+    device = model.embed_tokens.weight.device
+    out: list[list[int]] = [[] for _ in caches]
+    seconds = [0.0] * len(caches)
+    active = list(range(len(caches)))
+
+    def timed(call):
+        start = time.perf_counter()
+        result = call()
+        for b in active:
+            seconds[b] += (time.perf_counter() - start) / len(active)
+        return result
+
+    if rest:
+        ids = torch.tensor([rest] * len(caches), device=device)
+        logits = timed(lambda: model(ids, Rows(caches), last_only=True)[:, 0])
+    stops = stop_ids(model)
+    for i in range(max_new_tokens):
+        going = []
+        for b, token in zip(active, greedy(logits).tolist()):
+            out[b].append(token)
+            if not (token in stops or finished[b](out[b])):
+                going.append((b, token))
+        if not going or i == max_new_tokens - 1:
+            break
+        active = [b for b, _ in going]
+        tokens = torch.tensor([[token] for _, token in going], device=device)
+        logits = timed(lambda: model.decode(tokens, Rows([caches[b] for b in active])))
+    return out, seconds
+
+
+@dataclass
+class Prefilled:
+    """A sample's first chunk in a cell's fresh cache: the answer starts from here. logits:
+    (1, vocab) of the chunk's last token; how: "own" (the cell's prefill) or "shared" (replayed,
+    or taken from a pass shared with other cells: shared.py)."""
+
+    cache: KVCache
+    logits: torch.Tensor
+    how: str
+
+
+@torch.inference_mode()
+def prefill(model, tokenizer, enc: Encoded, first: int, total: int, policy: str, ratio: float,
+            chat: bool = False, shared: SharedPrefill | None = None) -> Prefilled:
+    """The first ``first`` ids of ``enc`` through a fresh cache of ``policy`` at ``ratio``, for
+    ``total`` tokens in all. ``shared``: take the prefill from there when the policy computes it
+    as dense does (shared.py); the cache and logits are the same either way."""
     cache = make_cell_cache(model, policy, ratio, first, total)
     replays = shared.replays if shared is not None else 0
+    ids = enc.ids[:first]
     if ratio > 0 and reconstructs(policy):
         closing = chat_parts(tokenizer)[1] if chat else "\n"
         repeat = repeat_ids(tokenizer, closing)
         if shared is None:
-            logits = reconstruct_context(model, cache, [ids[:first]], repeat=repeat, chunk=None)
+            logits = reconstruct_context(model, cache, [ids], repeat=repeat, chunk=None)
         else:
-            cache, logits = shared.reconstructed(model, cache, ids[:first], policy, repeat)
+            cache, logits = shared.reconstructed(model, cache, ids, policy, repeat)
     elif shared is None:
         device = model.embed_tokens.weight.device
-        logits = model(torch.tensor([ids[:first]], device=device), cache, last_only=True)[:, 0]
+        logits = model(torch.tensor([ids], device=device), cache, last_only=True)[:, 0]
     else:
-        cache, logits = shared.prefill(model, cache, ids[:first], f"{policy} {ratio:g}",
+        cache, logits = shared.prefill(model, cache, ids, f"{policy} {ratio:g}",
                                        fresh=lambda: make_cell_cache(model, policy, ratio, first, total))
-    if shared is not None and shared.replays > replays:
-        how = "shared"
-    new = answer(model, cache, logits, ids[first:], sample.max_new_tokens,
-                 finished=lambda tokens: saturated(tokenizer, sample, tokens))
-    prediction = tokenizer.decode(new)
-    return {"index": sample.index, "tokens": len(enc), "compressed": first, "generated": len(new),
-            "prediction": prediction, "answers": list(sample.answers), "metric": sample.metric,
-            "score": score(sample.metric, prediction, sample.answers), "prefill": how, "info": sample.info}
+    return Prefilled(cache, logits, "shared" if shared is not None and shared.replays > replays else "own")
+
+
+def first_chunk(enc: Encoded, protocol: str) -> int:
+    """How many of a sample's ids the first chunk takes: the context, and under query_aware the
+    question too."""
+    return len(enc.context) + (len(enc.question) if protocol == "query_aware" else 0)
+
+
+def run_samples(model, tokenizer, sample: Sample, cells: Sequence[Cell], chat: bool = False,
+                shared: SharedPrefill | None = None) -> list[dict]:
+    """One sample through a fresh cache for each of ``cells`` (which share their samples): each
+    cell's first chunk, then their answers as one batch (``answers``). Returns each cell's
+    outcome, with the seconds spent on it (its prefill and its share of the answers')."""
+    enc = encode(tokenizer, sample, chat)
+    first = first_chunk(enc, cells[0].protocol)
+    total = len(enc) + sample.max_new_tokens
+    prefilled, seconds = [], []
+    for c in cells:
+        start = time.perf_counter()
+        prefilled.append(prefill(model, tokenizer, enc, first, total, c.policy, c.ratio, chat, shared))
+        seconds.append(time.perf_counter() - start)
+    new, shares = answers(model, [p.cache for p in prefilled], torch.cat([p.logits for p in prefilled]),
+                          enc.ids[first:], sample.max_new_tokens,
+                          [lambda tokens: saturated(tokenizer, sample, tokens)] * len(cells))
+    outcomes = []
+    for p, tokens, s, share in zip(prefilled, new, seconds, shares):
+        prediction = tokenizer.decode(tokens)
+        outcomes.append({"index": sample.index, "tokens": len(enc), "compressed": first, "generated": len(tokens),
+                         "prediction": prediction, "answers": list(sample.answers), "metric": sample.metric,
+                         "score": score(sample.metric, prediction, sample.answers), "prefill": p.how,
+                         "info": sample.info, "seconds": s + share})
+    return outcomes
 
 
 def run_cell(model, tokenizer, cell: Cell, bench: Bench) -> dict:
@@ -250,11 +332,12 @@ Progress = Callable[[list[dict]], None]
 
 def run_cells(model, tokenizer, cells: Sequence[Cell], bench: Bench,
               known: Sequence[Sequence[dict]] | None = None, progress: Progress | None = None,
-              shared: SharedPrefill | None = None) -> list[dict]:
+              shared: SharedPrefill | None = None, batch: int = BATCH) -> list[dict]:
     """The results of ``cells``, which must share their samples (``sample_group``), as
     ``run_cell`` gives them one by one: the samples are built once and run one after another
     through every cell, so that each sample's first chunk is prefilled once for all the
-    policies that compute it alike (shared.py).
+    policies that compute it alike (shared.py), and the answers of up to ``batch`` cells are
+    decoded as one batch (``answers``; 1: one cell at a time, as ``run_cell``).
 
     known:    for each cell, outcomes already computed (a sweep's earlier, shorter or
               interrupted run of it: same settings, same samples); a sample found there is not
@@ -269,6 +352,8 @@ def run_cells(model, tokenizer, cells: Sequence[Cell], bench: Bench,
     """
     if bench.benchmark == "passkey":
         raise ValueError("a passkey cell is run by kvcache.eval.passkey.Runner, not run_cell")
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch is the number of cells whose answers decode together, at least 1; got {batch!r}")
     if len({sample_group(c) for c in cells}) > 1:
         raise ValueError("run_cells runs cells with the same samples (task, length, protocol, samples, seed)")
     if known is not None and len(known) != len(cells):
@@ -291,18 +376,18 @@ def run_cells(model, tokenizer, cells: Sequence[Cell], bench: Bench,
     if shared is not None:
         shared.check_model(model)
     for sample in samples:
-        ran = False
-        for i, c in enumerate(cells):
+        todo = [i for i in range(len(cells)) if sample.index not in found[i]]
+        for i in range(len(cells)):
             if sample.index in found[i]:
                 outcomes[i].append(found[i][sample.index])
-                continue
-            ran = True
-            start = time.perf_counter()
-            outcome = run_sample(model, tokenizer, sample, c.policy, c.ratio, c.protocol, bench.chat, shared)
-            outcome["seconds"] = time.perf_counter() - start + setup[i]
-            setup[i] = 0.0
-            outcomes[i].append(outcome)
-        if ran and progress is not None and len(outcomes[0]) < len(samples):
+        for at in range(0, len(todo), batch):
+            rows = todo[at:at + batch]
+            for i, outcome in zip(rows, run_samples(model, tokenizer, sample, [cells[i] for i in rows],
+                                                     bench.chat, shared)):
+                outcome["seconds"] += setup[i]
+                setup[i] = 0.0
+                outcomes[i].append(outcome)
+        if todo and progress is not None and len(outcomes[0]) < len(samples):
             progress([partial(c, bench, o) for c, o in zip(cells, outcomes)])
     return [finished(c, bench, o) for c, o in zip(cells, outcomes)]
 

@@ -24,7 +24,7 @@ from ..checkpoint import BUNDLED_MODEL, load, load_tokenizer
 from ..threads import for_model as threads_for_model
 from . import dataset as ds
 from . import leaderboard, ruler, sweep
-from .cell import PROTOCOLS, Bench
+from .cell import BATCH, PROTOCOLS, Bench
 from .sample import chat_parts
 
 DEFAULT_RATIOS = (0.25, 0.5, 0.75)
@@ -92,7 +92,7 @@ def benchmark(args) -> str:
 def run(args, out: Path, dtype: torch.dtype | None, progress: bool) -> None:
     """``dtype``: what the model is loaded in (None: the checkpoint's), on ``args.device``."""
     kind = benchmark(args)
-    sweep_only = ("ratios", "tasks", "protocols", "samples", "seed", "metric")
+    sweep_only = ("ratios", "tasks", "protocols", "samples", "seed", "metric", "batch")
     if kind == "passkey":
         given = [f"--{k}" for k in sweep_only if getattr(args, k) not in (None, False)]
         if given:
@@ -121,6 +121,9 @@ def _sweep(args, kind: str, out: Path, dtype: torch.dtype | None, progress: bool
     from ..cache.registry import canonical_name
     from ..cache.registry import policies as registered
 
+    if args.batch is not None and args.ray is not None:
+        raise ValueError("--batch decodes cells together in this process; with --ray each cell runs alone in a "
+                         "worker: drop one of them")
     bench = Bench.make(kind, texts=args.texts, dataset=args.dataset, metric=args.metric, chat=args.chat,
                        weights=args.weights)
     ratios = _ratios(args)
@@ -165,7 +168,7 @@ def _sweep(args, kind: str, out: Path, dtype: torch.dtype | None, progress: bool
     if args.report_only:
         results = finished
     elif args.ray is None:
-        results = sweep.run(model, tokenizer, cells, bench, out, progress=progress)
+        results = sweep.run(model, tokenizer, cells, bench, out, progress=progress, batch=args.batch or BATCH)
     else:
         from . import ray_sweep
 

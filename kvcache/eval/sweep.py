@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 
 from tqdm import tqdm
 
-from .cell import PROTOCOLS, Bench, Cell, keeps_all, run_cell, run_cells, sample_group
+from .cell import BATCH, PROTOCOLS, Bench, Cell, keeps_all, run_cell, run_cells, sample_group
 from .shared import SharedPrefill
 
 CELLS = "cells"
@@ -87,8 +87,9 @@ Runner = Callable[[object, object, Cell, Bench], dict]
 
 
 def run(model, tokenizer, cells: Sequence[Cell], bench: Bench, out: Path, runner: Runner = run_cell,
-        progress: bool = True) -> list[dict]:
-    """Run every cell not yet finished under ``out``; returns all the cells' results."""
+        progress: bool = True, batch: int = BATCH) -> list[dict]:
+    """Run every cell not yet finished under ``out``; returns all the cells' results. ``batch``:
+    with ``run_cell``, how many cells' answers to a sample decode together (``run_cells``)."""
     out = Path(out)
     todo = pending(cells, bench, out)
     bar = tqdm(total=len(cells), initial=len(cells) - len(todo), desc="eval", unit="cell", disable=not progress,
@@ -106,7 +107,7 @@ def run(model, tokenizer, cells: Sequence[Cell], bench: Bench, out: Path, runner
 
                 # (A cell alone gains nothing from a recording: it would replay it once.)
                 results = run_cells(model, tokenizer, group, bench, [known(out, c, bench) for c in group], save,
-                                    shared if len(group) > 1 else None)
+                                    shared if len(group) > 1 else None, batch)
             else:
                 results = [runner(model, tokenizer, group[0], bench)]
             for cell, result in zip(group, results):

@@ -84,6 +84,8 @@ def test_dataset_benchmark_scores_the_file(tiny_dir, tmp_path, capsys):
     (["--benchmark", "ruler", "--protocols", "aware"], "unknown protocol\\(s\\) aware"),
     (["--benchmark", "dataset"], "needs a dataset file"),
     (["--report-only"], "--report-only applies to --benchmark ruler or dataset"),
+    (["--batch", "4"], "--batch apply to --benchmark ruler or dataset"),
+    (["--benchmark", "ruler", "--batch", "4", "--ray"], "with --ray each cell runs alone"),
 ])
 def test_bad_flags_are_clear_errors(tmp_path, capsys, flags, message):
     import re

@@ -12,7 +12,7 @@ import torch
 
 from conftest import DEVICE
 from kvcache.eval import ruler
-from kvcache.eval.cell import Bench, Cell, answer, make_cell_cache, run_cell, run_cells, saturated
+from kvcache.eval.cell import Bench, Cell, answer, answers, make_cell_cache, run_cell, run_cells, saturated
 from kvcache.eval.sample import Sample, encode
 from kvcache.eval.scoring import score
 from kvcache.eval.shared import SharedPrefill, record, replay
@@ -133,6 +133,34 @@ def test_a_shared_prefill_refuses_a_second_model(tiny, tokenizer):
     with pytest.raises(ValueError, match="serves another model"):
         shared.recorded(other, [1, 2, 3])
     assert shared.checked == {f"{p} {r:g}" for p, r in SHARING[1:2]} | {"dense 0"}
+
+
+def test_answers_decode_a_samples_cells_as_one_batch_each_as_alone(tiny, chunk):
+    ids, rest, new, total = chunk
+    policies = SHARING[:3] + NOT_SHARING
+    alone = [answer(tiny, *own_prefill(tiny, p, r, chunk), rest, new) for p, r in policies]
+    filled = [own_prefill(tiny, p, r, chunk) for p, r in policies]
+    # One row ends after 3 tokens and leaves the batch; the others go on.
+    finished = [lambda tokens: False] * len(policies)
+    finished[1] = lambda tokens: len(tokens) == 3
+    tokens, seconds = answers(tiny, [c for c, _ in filled], torch.cat([l for _, l in filled]), rest, new, finished)
+    assert tokens[1] == alone[1][:3]
+    assert tokens[:1] + tokens[2:] == alone[:1] + alone[2:]
+    assert all(s > 0 for s in seconds)
+    with pytest.raises(ValueError, match="one row of logits"):
+        answers(tiny, [c for c, _ in filled], filled[0][1], rest, new, finished)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_cells_give_the_same_results_at_any_batch(tiny, tokenizer, batch):
+    cells = [Cell(p, r, "niah_single_2", 512, "query_agnostic", 2) for p, r in SHARING[:3] + NOT_SHARING[:1]]
+    by_batch = run_cells(tiny, tokenizer, cells, BENCH, batch=batch)
+    together = run_cells(tiny, tokenizer, cells, BENCH, batch=len(cells))
+    for a, b in zip(by_batch, together):
+        assert [s["prediction"] for s in a["samples"]] == [s["prediction"] for s in b["samples"]]
+        assert all(s["seconds"] > 0 for s in a["samples"])
+    with pytest.raises(ValueError, match="at least 1"):
+        run_cells(tiny, tokenizer, cells, BENCH, batch=0)
 
 
 def test_run_cells_rejects_cells_with_other_samples(tiny, tokenizer):
