@@ -5,11 +5,14 @@ haystack and the tokenizer's search for its size), encoding it, the first chunk'
 question and answer prefix, and each decoded token. Then the same policies as a sweep runs them
 (``kvcache.eval.cell.run_cells``: one recorded prefill replayed into each policy that attends
 the chunk as dense does, answers that stop once they score 100), against each policy on its
-own (``run_cell``), with the seconds per sample per policy of both.
+own (``run_cell``), with the seconds per sample per policy of both. With ``--answers``, the
+answers alone: the sample's cells (each policy at each of ``--ratios``) prefilled, then their
+answers decoded one cell at a time (``answer``) and, from the same caches, as the rows of one
+batch (``answers``, as ``kvcache eval --batch`` does), every answer to its full length.
 
     python benchmarks/ruler_sample.py --model ~/.cache/kvcache/models/SmolLM2-135M-Instruct \
         [--task niah_single_1] [--length 4096] [--policies dense,snapkv,knorm,tova] [--ratio 0.5] \
-        [--threads 2 1] [--sweep-threads 1] [--parts-only | --sweep-only]
+        [--threads 2 1] [--sweep-threads 1] [--parts-only | --sweep-only | --answers --ratios 0.25,0.5,0.75]
 
 ``--threads``: the thread counts the parts are timed at, in turn (2 was torch's choice for this
 model on 2 cores); ``--sweep-threads``: the one the sweep comparison runs at.
@@ -28,8 +31,9 @@ import torch
 
 from kvcache import load, load_tokenizer
 from kvcache.eval import ruler
-from kvcache.eval.cell import Bench, Cell, answer, make_cell_cache, run_cell, run_cells
+from kvcache.eval.cell import Bench, Cell, answer, answers, first_chunk, make_cell_cache, prefill, run_cell, run_cells
 from kvcache.eval.sample import encode
+from kvcache.eval.shared import SharedPrefill
 
 
 def log(*args) -> None:
@@ -75,6 +79,33 @@ def sweep(model, tokenizer, task: str, length: int, policies: list[str], ratio: 
             "generated": {c.policy: r["samples"][0]["generated"] for c, r in zip(cells, together)}}
 
 
+@torch.inference_mode()
+def batched(model, tokenizer, task: str, length: int, policies: list[str], ratios: list[float]) -> dict:
+    """The answers of one sample's cells, one cell at a time and as one batch, from the same caches."""
+    sample = ruler.make(task, tokenizer, length)
+    enc = encode(tokenizer, sample)
+    first, total = first_chunk(enc, "query_agnostic"), len(enc) + sample.max_new_tokens
+    shared = SharedPrefill()
+    cells = [(p, 0.0) if p == "dense" else (p, r) for p in policies for r in ([0.0] if p == "dense" else ratios)]
+    filled = [prefill(model, tokenizer, enc, first, total, p, r, shared=shared) for p, r in cells]
+    log(f"{len(cells)} caches prefilled")
+    snapshots = [f.cache.snapshot() for f in filled]
+    rest, never = enc.ids[first:], (lambda tokens: False)
+    alone_s, alone = seconds(lambda: [answer(model, f.cache, f.logits, rest, sample.max_new_tokens) for f in filled])
+    log(f"one at a time: {alone_s:.1f} s")
+    for f, snap in zip(filled, snapshots):
+        f.cache.restore(snap)
+    logits = torch.cat([f.logits for f in filled])
+    together_s, (together, _) = seconds(lambda: answers(model, [f.cache for f in filled], logits, rest,
+                                                        sample.max_new_tokens, [never] * len(filled)))
+    log(f"one batch: {together_s:.1f} s")
+    tokens = sum(len(t) for t in alone)
+    return {"cells": [f"{p} {r:g}" for p, r in cells], "question_tokens": len(rest), "generated": tokens,
+            "one_at_a_time_s": alone_s, "one_batch_s": together_s, "speedup": alone_s / together_s,
+            "one_at_a_time_tok_s": tokens / alone_s, "one_batch_tok_s": tokens / together_s,
+            "same_tokens": sum(a == b for a, b in zip(alone, together))}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True)
@@ -87,10 +118,18 @@ def main() -> None:
     which = ap.add_mutually_exclusive_group()
     which.add_argument("--parts-only", action="store_true")
     which.add_argument("--sweep-only", action="store_true")
+    which.add_argument("--answers", action="store_true", help="the answers alone, one cell at a time and batched")
+    ap.add_argument("--ratios", default="0.25,0.5,0.75", help="with --answers: the ratios of every policy but dense")
     args = ap.parse_args()
     tokenizer, model = load_tokenizer(args.model), load(args.model)
     policies = args.policies.split(",")
     report: dict = {"task": args.task, "length": args.length, "torch": torch.__version__}
+    if args.answers:
+        torch.set_num_threads(args.sweep_threads)
+        report["answers"] = {"threads": args.sweep_threads, **batched(
+            model, tokenizer, args.task, args.length, policies, [float(r) for r in args.ratios.split(",")])}
+        print(json.dumps(report, indent=1))
+        return
     if not args.sweep_only:
         report["parts"] = []
         for threads in args.threads:
