@@ -332,6 +332,9 @@ def generate(
         )
     elif cache_length is not None or policy_options is not None or policy != "dense":
         raise ValueError("pass either cache= or policy/cache_length/policy_options (they make a cache), not both")
+    elif not isinstance(cache, KVCache):
+        raise ValueError(f"cache= takes a kvcache.KVCache (make_cache), got {type(cache).__name__}; several "
+                         "caches as one batch (kvcache.cache.Rows) run through model(...) and model.decode")
     elif cache.batch_size != B:
         raise ValueError(f"the cache was made for batch_size={cache.batch_size}, but there are {B} prompts")
     _check_capacity(cache, longest, max_new_tokens)

@@ -17,6 +17,7 @@ which is the only difference from running the caches one after another.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Sequence
 
 import torch
@@ -66,7 +67,7 @@ class Rows:
             raise ValueError(f"the caches have different layer counts ({sorted(counts)}): they must be "
                              "made for the same model")
         self.caches = caches
-        ends = torch.tensor([c.batch_size for c in caches]).cumsum(0).tolist()
+        ends = list(accumulate(c.batch_size for c in caches))
         self.bounds = list(zip([0] + ends[:-1], ends))
         self.layers = [RowsLayer([c.layers[i] for c in caches], self.bounds) for i in range(len(caches[0].layers))]
 
@@ -115,5 +116,3 @@ class Rows:
 
     def __repr__(self) -> str:
         return f"Rows({', '.join(f'{c.policy!r}' for c in self.caches)}; batch_size={self.batch_size})"
-
-

@@ -1,6 +1,8 @@
 """Caches of different policies, storages and lengths run as the rows of one batch
 (kvcache/cache/rows.py): every row gets what its cache gives alone, up to the rounding of the
-batched matmuls (the "cache" tolerance: only the matmuls' shapes differ); one cache is the same call bit for bit; a call any cache rejects changes none."""
+batched matmuls (the "cache" tolerance: only the matmuls' shapes differ, and the first step's
+logits already differ by up to 1.8e-6); one cache is the same call bit for bit; a call any cache
+rejects changes none."""
 
 from __future__ import annotations
 
@@ -114,6 +116,10 @@ def test_rows_refuse_what_cannot_be_a_batch(llama):
         Rows([a, b, a])
     with pytest.raises(ValueError, match="layer counts"):
         Rows([a, KVCache(b.layers[:1], b.spec, b.policy)])
+    # generate takes one KVCache: Rows is for model(...) and model.decode.
+    with pytest.raises(ValueError, match="takes a kvcache.KVCache"):
+        kvcache.generate(llama, [[5, 6, 7]], max_new_tokens=2, cache=Rows([a]))
+    assert a.lengths.tolist() == [0]
 
 
 def test_a_call_any_cache_rejects_changes_none_of_them(llama):
