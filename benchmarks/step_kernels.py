@@ -132,19 +132,23 @@ def model_cases(args, device: torch.device, dtype: torch.dtype) -> dict:
             "cases": out}
 
 
-def kernel_configs(value: str | None, error) -> list[tuple[int, int, int, int]]:
-    """``--kernel-configs``: BLOCK/SPLIT/WARPS/STAGES, comma-separated."""
+def kernel_configs(value: str | None, error) -> list[tuple[int, int, int, int, str | None]]:
+    """``--kernel-configs``: BLOCK/SPLIT/WARPS/STAGES[/PRECISION], comma-separated; PRECISION is
+    the dots' input precision (ieee or tf32; default: the kernel's choice for the query's dtype)."""
     if not value:
         return []
     configs = []
     for item in value.split(","):
         parts = item.split("/")
-        if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
-            error(f"--kernel-configs: {item!r} is not BLOCK/SPLIT/WARPS/STAGES (four positive integers)")
-        block, split, warps, stages = map(int, parts)
+        numbers, precision = parts[:4], (parts[4] if len(parts) == 5 else None)
+        if len(parts) not in (4, 5) or not all(p.isdigit() and int(p) > 0 for p in numbers):
+            error(f"--kernel-configs: {item!r} is not BLOCK/SPLIT/WARPS/STAGES[/PRECISION] (four positive integers)")
+        if precision not in (None, "ieee", "tf32"):
+            error(f"--kernel-configs: {item!r}: PRECISION is ieee or tf32")
+        block, split, warps, stages = map(int, numbers)
         if block < 16 or block & (block - 1) or split % block or warps & (warps - 1):
             error(f"--kernel-configs: {item!r}: BLOCK a power of two >= 16, SPLIT a multiple of it, WARPS a power of two")
-        configs.append((block, split, warps, stages))
+        configs.append((block, split, warps, stages, precision))
     return configs
 
 
@@ -154,13 +158,14 @@ def configured(configs: list, device: torch.device):
         return [("", lambda: None)]
     from kvcache.kernels import triton_decode
 
-    def setter(block, split, warps, stages):
+    def setter(block, split, warps, stages, precision):
         def apply():
             triton_decode.BLOCK_S, triton_decode.SLOTS_PER_SPLIT = block, split
             triton_decode.NUM_WARPS, triton_decode.NUM_STAGES = warps, stages
+            triton_decode.DOT_PRECISION = precision
         return apply
 
-    return [(f" kernel {b}/{s}/{w}/{st}", setter(b, s, w, st)) for b, s, w, st in configs]
+    return [(" kernel " + "/".join(str(x) for x in config if x is not None), setter(*config)) for config in configs]
 
 
 def layer_cases(args, device: torch.device, dtype: torch.dtype) -> dict:
@@ -226,9 +231,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--compiled", action="store_true", help="also the captured decode step of each cache")
     p.add_argument("--layer-tokens", type=int, default=32768, help="tokens a row in the layer part (default 32768)")
     p.add_argument("--storages", default="full,int8,int4", help="storages of the layer part (default full,int8,int4)")
-    p.add_argument("--kernel-configs", default=None, metavar="B/S/W/ST,...",
+    p.add_argument("--kernel-configs", default=None, metavar="B/S/W/ST[/P],...",
                    help="Triton decode kernel configurations to profile each packed storage with (CUDA): "
-                        "slots a block/slots a program/warps/stages, e.g. 64/512/4/3,32/512/4/2")
+                        "slots a block/slots a program/warps/stages[/dot precision, ieee or tf32], "
+                        "e.g. 64/512/4/3,32/512/4/2/ieee")
     p.add_argument("--steps", type=int, default=5, help="profiled steps per case (default 5)")
     p.add_argument("--top", type=int, default=15, help="kernels listed per case (default 15)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")

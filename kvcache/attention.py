@@ -24,9 +24,9 @@ see only key 0.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from . import kernels
+from .kernels.sdpa import sdpa
 from .kernels.visibility import visibility
 
 # Largest number of queries whose (query x key) mask and scores are materialised at once.
@@ -65,10 +65,10 @@ def causal(
     gqa = Hq != Hkv
     reach = min([T] + [w for w in (window, limit) if w is not None])
     if reach >= T:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return sdpa(q, k, v, is_causal=True, enable_gqa=gqa)
     pos = torch.arange(T, device=q.device)
     out = torch.empty_like(q)
-    out[:, :, :reach] = F.scaled_dot_product_attention(
+    out[:, :, :reach] = sdpa(
         q[:, :, :reach], k[:, :, :reach], v[:, :, :reach], is_causal=True, enable_gqa=gqa)
     for start in range(reach, T, BAND_BLOCK):
         stop = min(start + BAND_BLOCK, T)
@@ -81,11 +81,11 @@ def causal(
         vis = visibility(pos[None, start:stop].expand(B, n), keys.expand(B, 1, -1), window, sinks, limit)
         qb = q[:, :, start:stop]
         if q_sink is None:
-            out[:, :, start:stop] = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=vis, enable_gqa=gqa)
+            out[:, :, start:stop] = sdpa(qb, kb, vb, attn_mask=vis, enable_gqa=gqa)
             continue
         ns = S + max(0, min(sinks, stop) - low)  # keys below ``sinks``, a prefix of ``keys``
         bias = sink_bias(qb, q_sink[:, :, start:stop], kb, slice(0, ns)).masked_fill_(~vis, float("-inf"))
-        out[:, :, start:stop] = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=bias, enable_gqa=gqa)
+        out[:, :, start:stop] = sdpa(qb, kb, vb, attn_mask=bias, enable_gqa=gqa)
     return out
 
 
@@ -116,7 +116,7 @@ def masked(
         # The decode step over a dense cache: one fused call, no mask, no copies.
         # reshape, never view, around the kernel: CUDA's kernels return (B, Hkv, G, D) as a view of a
         # (B, G, Hkv, D) buffer, and the rotated query of a batch need not be contiguous either.
-        return F.scaled_dot_product_attention(q.reshape(B, Hkv, G, D), k, v).reshape(B, Hq, 1, D)
+        return sdpa(q.reshape(B, Hkv, G, D), k, v).reshape(B, Hq, 1, D)
     out = torch.empty_like(q)
     for start in range(0, T, QUERY_BLOCK):
         stop = min(start + QUERY_BLOCK, T)
@@ -126,14 +126,14 @@ def masked(
             # Slots shared by all heads: one (B, 1, n, S) mask broadcast over the query heads, and
             # the kernel's own grouped-head support (about 1.8 times as fast on CPU as the folded
             # layout below, whose mask must be copied G times).
-            out[:, :, start:stop] = F.scaled_dot_product_attention(
+            out[:, :, start:stop] = sdpa(
                 q[:, :, start:stop], k, v, attn_mask=vis, enable_gqa=G > 1)
             continue
         # Per-head slots: fold the G query heads that share a K/V head into the query axis,
         # (B, Hkv, G*n, D), so each K/V head's mask applies to its own queries.
         qb = q[:, :, start:stop].reshape(B, Hkv, G * n, D)
         mask = vis.unsqueeze(2).expand(-1, -1, G, -1, -1).reshape(B, Hkv, G * n, -1)
-        ob = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask)
+        ob = sdpa(qb, k, v, attn_mask=mask)
         out[:, :, start:stop] = ob.reshape(B, Hq, n, D)  # not view: CUDA lays ob out as (B, G*n, Hkv, D)
     return out
 
@@ -286,4 +286,4 @@ def _decode_fused(qh, k, v, visible, q_sink, sink_slots) -> torch.Tensor:
         # The G query heads of a group as G queries of one head: the layout sink_bias takes.
         bias = sink_bias(qh.reshape(B, Hkv * G, 1, D), q_sink, k, slice(0, sink_slots)).view(B, Hkv, G, -1)
         mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
-    return F.scaled_dot_product_attention(qh, k, v, attn_mask=mask)
+    return sdpa(qh, k, v, attn_mask=mask)

@@ -20,9 +20,9 @@ Shapes: B rows, Hq query heads, Hkv K/V heads (G = Hq // Hkv), T queries, S slot
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..quant.packed import PackedKeys, PackedValues
+from .sdpa import sdpa
 from .visibility import visibility
 
 # Decoded keys and values (float32 reckoning) held at once: 256 slots of 8 K/V heads of 128
@@ -91,7 +91,7 @@ class Fold:
         if vis is not None and vis.shape[1] > 1 and G > 1:
             vis = vis.repeat_interleave(G, dim=1)  # per K/V head -> per query head
         if self.single:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=vis, enable_gqa=G > 1)
+            out = sdpa(q, k, v, attn_mask=vis, enable_gqa=G > 1)
             if vis is not None:
                 # A query that sees no key (padding) gets 0, as ``out`` promises: the CPU's kernel
                 # gives 0 there, CUDA's memory-efficient kernel the mean of the values.

@@ -22,12 +22,19 @@ import triton.language as tl
 
 from ..quant.packed import PackedKeys, PackedValues
 
-BLOCK_S = 64
 # Slots per program: enough work per program to hide latency, few enough programs to fill the GPU.
 SLOTS_PER_SPLIT = 512
-# Triton's own defaults on CUDA, named so that a run can try others (benchmarks/step_kernels.py).
 NUM_WARPS = 4
-NUM_STAGES = 3
+# The dots' input precision: None picks "ieee" for a float32 query (exact float32 products) and
+# "tf32" for a half-precision one, whose own rounding (8 or 11 bits) is coarser than tf32's 11.
+# "tf32" runs on tensor cores: at 32k slots and batch 16 on an H200, int8 codes took 1.1 ms a
+# layer step against 41 ms with "ieee" dots (benchmarks/step_kernels.py --kernel-configs).
+DOT_PRECISION: str | None = None
+# Slots a block and pipeline stages; None: the best measured for the dots' precision there
+# (BY_PRECISION). With ieee dots, 3 stages took seven times as long as 1.
+BLOCK_S: int | None = None
+NUM_STAGES: int | None = None
+BY_PRECISION = {"tf32": (64, 3), "ieee": (32, 1)}
 
 
 @triton.jit
@@ -65,7 +72,7 @@ def _decode_kernel(
     sr_b, sr_h, sr_s, svis_b, svis_h,
     D: tl.constexpr, BITS: tl.constexpr, GP: tl.constexpr, BLOCK: tl.constexpr,
     NK: tl.constexpr, NV: tl.constexpr, KIVI: tl.constexpr, KGROUP: tl.constexpr,
-    HAS_VIS: tl.constexpr, WANT_SCORES: tl.constexpr,
+    HAS_VIS: tl.constexpr, WANT_SCORES: tl.constexpr, PRECISION: tl.constexpr,
 ):
     bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -108,7 +115,7 @@ def _decode_kernel(
             resid = m2 & (mode == 2)
             k_res = tl.load(kr_ptr + b * sr_b + h * sr_h + r * sr_s + d[None, :], mask=resid, other=0.0).to(tl.float32)
             k = tl.where(resid, k_res, k)
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee")  # (GP, BLOCK)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (GP, BLOCK)
         ok = live
         if HAS_VIS:
             ok = ok & (tl.load(vis_ptr + b * svis_b + h * svis_h + s, mask=live, other=0) != 0)
@@ -126,7 +133,7 @@ def _decode_kernel(
             v_res = tl.load(vr_ptr + b * sr_b + h * sr_h + r * sr_s + d[None, :], mask=resid, other=0.0).to(tl.float32)
             v = tl.where(resid, v_res, v)
         v = tl.where(m2, v, 0.0)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
         m = m_new
     out = (bh * tl.num_programs(1) + split) * GP + g
     tl.store(m_ptr + out, m)
@@ -147,8 +154,10 @@ def decode(q: torch.Tensor, k: PackedKeys, v: PackedValues, visible: torch.Tenso
     H, S = k.codes.shape[1], k.codes.shape[2]
     G = Hq // H
     GP = max(16, triton.next_power_of_2(G))  # tl.dot needs 16 rows
+    precision = DOT_PRECISION or ("ieee" if q.dtype == torch.float32 else "tf32")
+    block = BLOCK_S or BY_PRECISION[precision][0]
     splits = max(1, triton.cdiv(S, SLOTS_PER_SPLIT))
-    split = triton.cdiv(triton.cdiv(S, splits), BLOCK_S) * BLOCK_S
+    split = triton.cdiv(triton.cdiv(S, splits), block) * block
     dev = q.device
     qf = (q.float() * D**-0.5).reshape(B, H, G, D).contiguous()
     acc = torch.empty(B * H * splits * GP, D, device=dev)
@@ -176,9 +185,9 @@ def decode(q: torch.Tensor, k: PackedKeys, v: PackedValues, visible: torch.Tenso
         *(mode.stride()[:2] if kivi else (0, 0)), *(channel.stride()[:4] if kivi else (0, 0, 0, 0)),
         *(k_res.stride()[:3] if kivi else (0, 0, 0)),
         *((vis.stride(0), vis_h) if visible is not None else (0, 0)),
-        D=D, BITS=k.bits, GP=GP, BLOCK=BLOCK_S, NK=k.meta.shape[-1] // 2, NV=v.meta.shape[-1] // 2,
+        D=D, BITS=k.bits, GP=GP, BLOCK=block, NK=k.meta.shape[-1] // 2, NV=v.meta.shape[-1] // 2,
         KIVI=kivi, KGROUP=max(k.group, 1), HAS_VIS=visible is not None, WANT_SCORES=want_mass,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        PRECISION=precision, num_warps=NUM_WARPS, num_stages=NUM_STAGES or BY_PRECISION[precision][1],
     )
     # Combine the splits (B, H, splits, GP): rescale each to the global max.
     m = m.view(B, H, splits, GP)

@@ -23,6 +23,7 @@ from .. import attention, devices
 from ..cache.base import LayerCache, Step
 from ..cache.evicting import EvictingCache
 from ..cache.headwise import HeadwiseCache
+from ..kernels.sdpa import sdpa
 
 
 def sink_biased(q, q_sink, k, v, q_pos, k_pos, rule: dict) -> torch.Tensor:
@@ -34,7 +35,7 @@ def sink_biased(q, q_sink, k, v, q_pos, k_pos, rule: dict) -> torch.Tensor:
     bias = attention.sink_bias(q, q_sink, k, cols)
     visible = attention.visibility(q_pos, k_pos, rule["window"], rule["sinks"], rule["limit"])  # (B, 1, n, N)
     bias = bias.masked_fill(~visible, float("-inf"))
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=q.shape[1] != k.shape[1])
+    return sdpa(q, k, v, attn_mask=bias, enable_gqa=q.shape[1] != k.shape[1])
 
 
 class KeyValueStore:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import DEVICE
+from conftest import DEVICE, atol
 
 # On the CPU, tests/conftest.py has set TRITON_INTERPRET before anything imported triton.
 pytest.importorskip("triton")
@@ -46,6 +46,37 @@ def test_triton_decode_matches_the_blocked_path(name, per_head):
             assert (got[0] - want[0]).abs().max() <= ATOL
             if mass:
                 assert (got[1] - want[1]).abs().max() <= ATOL
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_query_takes_tf32_dots_within_its_own_rounding(dtype):
+    """A bfloat16 or float16 query's dots run in tf32 (tensor cores on CUDA): the output and the
+    mass stay within the dtype's own precision of the float32 blocked path."""
+    store = filled("token8", device=DEVICE)
+    k, v, pos = store.view(25)
+    q = torch.randn(2, 4, 1, 16, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    want = blocked.decode(q.to(dtype).float(), k, v, pos >= 0, want_mass=True)
+    got = triton_decode.decode(q.to(dtype), k, v, pos >= 0, want_mass=True)
+    assert got[0].dtype == dtype
+    assert (got[0].float() - want[0]).abs().max() <= atol("precision", dtype)
+    assert (got[1] - want[1]).abs().max() <= atol("precision", dtype)
+
+
+@pytest.mark.parametrize("name", ["token8", "token4/4", "kivi4/4", "kivi2/16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_default_blocks_of_each_dot_precision(name, dtype, monkeypatch):
+    """Slots a block as each precision's default sets them (BY_PRECISION, 32 or 64) where splits
+    of 16 slots are asked for: each split rounds up to whole blocks, and the splits that then
+    start past the last slot add nothing."""
+    monkeypatch.setattr(triton_decode, "BLOCK_S", None)
+    store = filled(name, device=DEVICE)
+    k, v, pos = store.view(25)
+    q = torch.randn(2, 4, 1, 16, generator=torch.Generator().manual_seed(3)).to(DEVICE).to(dtype)
+    want = blocked.decode(q.float(), k, v, pos >= 0, want_mass=True)
+    got = triton_decode.decode(q, k, v, pos >= 0, want_mass=True)
+    tol = ATOL if dtype == torch.float32 else atol("precision", dtype)
+    assert (got[0].float() - want[0]).abs().max() <= tol
+    assert (got[1] - want[1]).abs().max() <= tol
 
 
 def test_h2o_decode_steps_through_the_kernel(llama, monkeypatch):
