@@ -6,7 +6,8 @@ they take. A decode step on CUDA runs the Triton kernel (triton_decode.py) when 
 installed; everything else, and CUDA without Triton, runs the blocked PyTorch path (blocked.py).
 Triton is imported only when a CUDA decode step first needs it; set ``KVCACHE_TRITON=0`` to keep
 the blocked path on CUDA. A chunk whose queries read every slot alike attends them decoded a block
-at a time through the fused kernel instead (``attend_decoded``, fused.py).
+at a time through the fused kernel instead (``attend_decoded``, fused.py). Full-precision keys
+and values take PyTorch's SDPA through ``sdpa.sdpa`` (no cuDNN plan per key length on CUDA).
 """
 
 from __future__ import annotations
