@@ -26,9 +26,11 @@ from ..quant.packed import PackedKeys, PackedValues
 SLOTS_PER_SPLIT = 512
 NUM_WARPS = 4
 # The dots' input precision: None picks "ieee" for a float32 query (exact float32 products) and
-# "tf32" for a half-precision one, whose own rounding (8 or 11 bits) is coarser than tf32's 11.
-# "tf32" runs on tensor cores: at 32k slots and batch 16 on an H200, int8 codes took 1.1 ms a
-# layer step against 41 ms with "ieee" dots (benchmarks/step_kernels.py --kernel-configs).
+# "tf32" for a half-precision one. tf32 rounds the dots' inputs (the scaled query, the decoded
+# keys and values, the weights) to 11 significant bits: no coarser than a bfloat16 or float16
+# model's own tensors, and far finer than the codes' quantization. "tf32" runs on tensor cores:
+# at 32k slots and batch 16 on an H200, int8 codes took 1.1 ms a layer step against 41 ms with
+# "ieee" dots (benchmarks/step_kernels.py --kernel-configs).
 DOT_PRECISION: str | None = None
 # Slots a block and pipeline stages; None: the best measured for the dots' precision there
 # (BY_PRECISION). With ieee dots, 3 stages took seven times as long as 1.

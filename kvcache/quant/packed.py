@@ -139,13 +139,16 @@ class PackedValues(_Packed):
         block is converting its codes to float."""
         if self.mode is None:
             return self._mix_codes(p, s0, s1, work)
-        slots = torch.arange(s0, s1, device=p.device)
         resid = self.mode[:, :, s0:s1].unsqueeze(2) == RESIDUAL  # (B, H, 1, m)
         staged = _staged_mask(self, q_pos, s0, s1)  # (B, 1, R, m) or None
         full = resid if staged is None else resid | staged
         out = self._mix_codes(torch.where(full, 0.0, p), s0, s1, work)
         if present[RESIDUAL] if present is not None else _any(resid):
-            out = out + torch.where(resid, p, 0.0) @ _rows_of(self.residual, self.res_start, slots).float()
+            # The weights of the residual slots gathered onto the open group's entries, then one
+            # (R, group) @ (group, D) product: no copy of an entry per slot of the span.
+            entry = _entry_of(self.res_start, s0, s1, self.residual.shape[2])[:, None, None, :].expand_as(p)
+            w = p.new_zeros(p.shape[:3] + (self.residual.shape[2],))
+            out = out + w.scatter_add_(-1, entry, torch.where(resid, p, 0.0)) @ self.residual.float()
         if staged is not None:
             out = out + torch.where(staged & ~resid, p, 0.0) @ _staged_rows(self, s0, s1).float()
         return out
@@ -260,8 +263,10 @@ class PackedKeys(_Packed):
         if has[CHANNEL] and has[TOKEN] | has[RESIDUAL]:
             out = torch.where(mode == CHANNEL, self._channel_scores(q, q_codes, s0, s1), out)
         if has[RESIDUAL]:
-            res = _rows_of(self.residual, self.res_start, torch.arange(s0, s1, device=q.device)).float()
-            out = torch.where(mode == RESIDUAL, q @ res.transpose(-1, -2), out)
+            # Each open-group entry scored once, (R, group), then read at the slots holding it.
+            per_entry = q @ self.residual.float().transpose(-1, -2)  # (B, H, R, group)
+            entry = _entry_of(self.res_start, s0, s1, self.residual.shape[2])[:, None, None, :]
+            out = torch.where(mode == RESIDUAL, per_entry.gather(-1, entry.expand(out.shape)), out)
         staged = _staged_mask(self, q_pos, s0, s1)
         if staged is not None:
             out = torch.where(staged, q @ _staged_rows(self, s0, s1).float().transpose(-1, -2), out)
@@ -271,17 +276,23 @@ class PackedKeys(_Packed):
         """Scores of slots [s0, s1) (s0 a multiple of ``group``) as CHANNEL slots."""
         G = self.group
         m = s1 - s0
-        n = -(-m // G)
+        whole = m // G  # complete groups; a partial last one is scored on its own, not padded
         g0 = s0 // G
-        scale, zero = self.channel[:, :, g0 : g0 + n].float().unbind(-2)  # (B, H, n, D)
-        if n * G != m:
-            # A partial last group: pad its codes (the padded scores are cut off below).
-            q_codes = torch.cat((q_codes, q_codes.new_zeros(q_codes.shape[:2] + (n * G - m, q_codes.shape[-1]))), 2)
-        # (B, H, n, R, D) @ (B, H, n, D, G) -> (B, H, n, R, G)
-        raw = (q.unsqueeze(2) * scale.unsqueeze(3)) @ q_codes.unflatten(2, (n, G)).transpose(-1, -2)
-        raw = raw + (q @ zero.transpose(-1, -2)).transpose(-1, -2).unsqueeze(-1)
+        scale, zero = self.channel[:, :, g0 : g0 + -(-m // G)].float().unbind(-2)  # (B, H, n, D)
+        parts = []
+        if whole:
+            # (B, H, n, R, D) @ (B, H, n, D, G) -> (B, H, n, R, G)
+            codes = q_codes[:, :, : whole * G].unflatten(2, (whole, G))
+            raw = (q.unsqueeze(2) * scale[:, :, :whole].unsqueeze(3)) @ codes.transpose(-1, -2)
+            raw = raw + (q @ zero[:, :, :whole].transpose(-1, -2)).transpose(-1, -2).unsqueeze(-1)
+            parts.append(raw.permute(0, 1, 3, 2, 4).flatten(-2))
+        if whole * G < m:
+            # (B, H, R, D) @ (B, H, D, m - whole * G) with the last group's scales and zeros.
+            tail = (q * scale[:, :, whole].unsqueeze(2)) @ q_codes[:, :, whole * G :].transpose(-1, -2)
+            parts.append(tail + q @ zero[:, :, whole].unsqueeze(-1))
+        raw = parts[0] if len(parts) == 1 else torch.cat(parts, -1)
         own = -self.meta[:, :, s0:s1, 0].float().unsqueeze(2)  # (B, H, 1, m): each key's own scale
-        return raw.permute(0, 1, 3, 2, 4).flatten(-2)[..., :m] * own
+        return raw * own
 
 
 def as_float(codes: torch.Tensor, bits: int, work: torch.Tensor | None = None) -> torch.Tensor:
@@ -305,6 +316,12 @@ def _any(mask: torch.Tensor) -> bool:
     """Whether any element is set; True where a host read is not free (compiling, or off the
     CPU): every branch is computed."""
     return not devices.host_reads_free(mask) or bool(mask.any())
+
+
+def _entry_of(res_start: torch.Tensor, s0: int, s1: int, group: int) -> torch.Tensor:
+    """(B, m): the residual entry each slot of [s0, s1) reads (garbage where not RESIDUAL)."""
+    slots = torch.arange(s0, s1, device=res_start.device)
+    return (slots[None, :] - res_start[:, None]).clamp(0, group - 1)
 
 
 def _rows_of(residual: torch.Tensor, res_start: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

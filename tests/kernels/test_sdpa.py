@@ -34,8 +34,27 @@ def test_sdpa_is_pytorchs_attention(case):
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="backend choice is a CUDA matter")
-def test_sdpa_leaves_the_backend_settings_as_they_were():
+def test_sdpa_leaves_out_cudnn_during_the_call_and_restores_the_settings(monkeypatch):
     q, k, v = (t.to(torch.bfloat16) for t in _inputs(1, 300))
+    during = []
+    native = F.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        during.append((torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()))
+        return native(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
     before = torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()
     sdpa(q, k, v, enable_gqa=True)
+    assert during == [(False, before[1])]
     assert (torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled()) == before
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="backend choice is a CUDA matter")
+def test_sdpa_keeps_a_backend_the_caller_turned_off_off():
+    q, k, v = (t.to(torch.bfloat16) for t in _inputs(1, 300))
+    with torch.nn.attention.sdpa_kernel([torch.nn.attention.SDPBackend.MATH]):
+        want = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        got = sdpa(q, k, v, enable_gqa=True)  # math alone, as the caller asked: the same kernel
+        assert not torch.backends.cuda.flash_sdp_enabled()
+    assert torch.equal(got, want)

@@ -50,8 +50,10 @@ def test_triton_decode_matches_the_blocked_path(name, per_head):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_a_half_precision_query_takes_tf32_dots_within_its_own_rounding(dtype):
-    """A bfloat16 or float16 query's dots run in tf32 (tensor cores on CUDA): the output and the
-    mass stay within the dtype's own precision of the float32 blocked path."""
+    """A bfloat16 or float16 query's dots run in tf32 on CUDA: the output and the mass stay within
+    the dtype's own precision of the float32 blocked path. (Triton's interpreter computes the
+    dots in float32 whatever the precision, so on the CPU this checks the half-precision
+    query's way through the kernel, not tf32's rounding.)"""
     store = filled("token8", device=DEVICE)
     k, v, pos = store.view(25)
     q = torch.randn(2, 4, 1, 16, generator=torch.Generator().manual_seed(3)).to(DEVICE)
