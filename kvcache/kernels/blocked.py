@@ -90,6 +90,16 @@ def _mix(v: PackedValues, p: torch.Tensor, s0: int, s1: int, q_pos: torch.Tensor
     return v.mix(p, s0, s1, q_pos, work, present)
 
 
+def _work(q: torch.Tensor, k: PackedKeys, blocks: list[tuple[int, int]]) -> torch.Tensor:
+    """A float32 buffer (B, H, rows, D) to convert a block's codes into: rows for the widest
+    block, rounded up to whole KIVI groups, so that per-channel scores read a partial last
+    group's missing slots from the rows past it instead of copying the block (PackedKeys)."""
+    rows = max(s1 - s0 for s0, s1 in blocks)
+    if k.group:
+        rows = -(-rows // k.group) * k.group
+    return q.new_empty(q.shape[0], k.codes.shape[1], rows, k.head_dim, dtype=torch.float32)
+
+
 def _plain(x) -> bool:
     """Per-token codes with one scale per token and head, and nothing appended: a decode step
     can apply every scale once, to all scores (or weights) together."""
@@ -181,7 +191,7 @@ def attend(
     lows = torch.stack([kp[..., s0:s1].amin() for s0, s1 in spans]).tolist()
     has_sink = [lo < sinks for lo in lows] if q_sink is not None else [False] * len(spans)
     scale = D**-0.5
-    work = q.new_empty(B, H, max(s1 - s0 for s0, s1 in spans), D, dtype=torch.float32)
+    work = _work(q, k, spans)
     out = torch.empty_like(q)
     mass = seen = None
     if q_weight is not None:
@@ -260,7 +270,7 @@ def decode(
     qs = None if q_sink is None else q_sink.float().reshape(B, H, G, D) * scale
     blocks = _blocks(k, DECODE_BLOCK_BYTES)
     present = dict(zip(blocks, _presence(k, blocks)))
-    work = q.new_empty(B, H, max(s1 - s0 for s0, s1 in blocks), D, dtype=torch.float32)
+    work = _work(q, k, blocks)
     plain = _plain(k) and _plain(v)
     state = _Softmax(B, H, G, D, q.device)
     kept = []

@@ -255,13 +255,13 @@ class PackedKeys(_Packed):
         mode = self.mode[:, :, s0:s1].unsqueeze(2)  # (B, H, 1, m)
         has = present if present is not None else [_any(mode == m) for m in (CHANNEL, TOKEN, RESIDUAL)]
         if tuple(has) == (True, False, False):
-            out = self._channel_scores(q, q_codes, s0, s1)  # a sealed block: nothing to choose
+            out = self._channel_scores(q, q_codes, s0, s1, work)  # a sealed block: nothing to choose
         else:
             out = q.new_zeros(q.shape[:3] + (s1 - s0,))
         if has[TOKEN]:
             out = torch.where(mode == TOKEN, _token_scores(q, q_codes, self.meta[:, :, s0:s1].float()), out)
         if has[CHANNEL] and has[TOKEN] | has[RESIDUAL]:
-            out = torch.where(mode == CHANNEL, self._channel_scores(q, q_codes, s0, s1), out)
+            out = torch.where(mode == CHANNEL, self._channel_scores(q, q_codes, s0, s1, work), out)
         if has[RESIDUAL]:
             # Each open-group entry scored once, (R, group), then read at the slots holding it.
             per_entry = q @ self.residual.float().transpose(-1, -2)  # (B, H, R, group)
@@ -272,20 +272,28 @@ class PackedKeys(_Packed):
             out = torch.where(staged, q @ _staged_rows(self, s0, s1).float().transpose(-1, -2), out)
         return out
 
-    def _channel_scores(self, q: torch.Tensor, q_codes: torch.Tensor, s0: int, s1: int) -> torch.Tensor:
-        """Scores of slots [s0, s1) (s0 a multiple of ``group``) as CHANNEL slots."""
+    def _channel_scores(self, q: torch.Tensor, q_codes: torch.Tensor, s0: int, s1: int,
+                        work: torch.Tensor | None = None) -> torch.Tensor:
+        """Scores of slots [s0, s1) (s0 a multiple of ``group``) as CHANNEL slots. ``q_codes``
+        (B, H, m, D): the slots' codes as float; if ``as_float`` wrote them into ``work`` and its
+        rows reach the end of the last group, the rows past m stand in for the partial group's
+        missing slots (their scores are cut off), so the groups are one batched product."""
         G = self.group
         m = s1 - s0
-        whole = m // G  # complete groups; a partial last one is scored on its own, not padded
+        n = -(-m // G)
         g0 = s0 // G
-        scale, zero = self.channel[:, :, g0 : g0 + -(-m // G)].float().unbind(-2)  # (B, H, n, D)
+        scale, zero = self.channel[:, :, g0 : g0 + n].float().unbind(-2)  # (B, H, n, D)
+        if work is not None and q_codes.data_ptr() == work.data_ptr() and work.shape[2] >= n * G:
+            whole, codes = n, work[:, :, : n * G, : q_codes.shape[-1]]
+        else:
+            whole, codes = m // G, q_codes  # a partial last group is scored on its own
         parts = []
         if whole:
             # (B, H, n, R, D) @ (B, H, n, D, G) -> (B, H, n, R, G)
-            codes = q_codes[:, :, : whole * G].unflatten(2, (whole, G))
-            raw = (q.unsqueeze(2) * scale[:, :, :whole].unsqueeze(3)) @ codes.transpose(-1, -2)
+            grouped = codes[:, :, : whole * G].unflatten(2, (whole, G))
+            raw = (q.unsqueeze(2) * scale[:, :, :whole].unsqueeze(3)) @ grouped.transpose(-1, -2)
             raw = raw + (q @ zero[:, :, :whole].transpose(-1, -2)).transpose(-1, -2).unsqueeze(-1)
-            parts.append(raw.permute(0, 1, 3, 2, 4).flatten(-2))
+            parts.append(raw.permute(0, 1, 3, 2, 4).flatten(-2)[..., :m])
         if whole * G < m:
             # (B, H, R, D) @ (B, H, D, m - whole * G) with the last group's scales and zeros.
             tail = (q * scale[:, :, whole].unsqueeze(2)) @ q_codes[:, :, whole * G :].transpose(-1, -2)

@@ -188,3 +188,20 @@ def test_nothing_decodes_a_whole_cache(llama, monkeypatch, policy):
     # On CUDA the Triton kernel reads decode steps' codes in place: no block is converted at all.
     assert largest or DEVICE.type == "cuda"
     assert max(largest, default=0) <= max(blocked.BLOCK, cache.layers[0].storage.__dict__.get("key_group", 0))
+
+
+@pytest.mark.parametrize("name", ["kivi4/4", "kivi2/8"])
+def test_channel_scores_of_a_partial_group_ignore_the_buffer_rows_past_it(name):
+    """Per-channel scores whose last group is partial read its missing slots from the
+    conversion buffer's rows past the span (one batched product, no copy): whatever those rows
+    hold (NaN here), the scores are the ones computed without the buffer."""
+    store = filled(name)
+    k, _, _ = store.view(25)
+    m = 25  # groups of 4 or 8: the last one holds a single slot of the span
+    q = torch.randn(2, 2, 3, 16, generator=torch.Generator().manual_seed(4))
+    want = k.scores(q, None, 0, m)
+    rows = -(-m // k.group) * k.group
+    work = torch.full((2, 2, rows, 16), float("nan"))
+    got = k.scores(q, None, 0, m, work)
+    assert torch.isfinite(got).all()
+    assert (got - want).abs().max() <= 1e-6
