@@ -275,15 +275,16 @@ class PackedKeys(_Packed):
     def _channel_scores(self, q: torch.Tensor, q_codes: torch.Tensor, s0: int, s1: int,
                         work: torch.Tensor | None = None) -> torch.Tensor:
         """Scores of slots [s0, s1) (s0 a multiple of ``group``) as CHANNEL slots. ``q_codes``
-        (B, H, m, D): the slots' codes as float; if ``as_float`` wrote them into ``work`` and its
-        rows reach the end of the last group, the rows past m stand in for the partial group's
-        missing slots (their scores are cut off), so the groups are one batched product."""
+        (B, H, m, D): the slots' codes as float, which ``as_float`` wrote into ``work`` if one is
+        given. Where its rows reach the end of the last group, the rows past m stand in for the
+        partial group's missing slots (their scores are cut off), so the groups are one batched
+        product."""
         G = self.group
         m = s1 - s0
         n = -(-m // G)
         g0 = s0 // G
         scale, zero = self.channel[:, :, g0 : g0 + n].float().unbind(-2)  # (B, H, n, D)
-        if work is not None and q_codes.data_ptr() == work.data_ptr() and work.shape[2] >= n * G:
+        if work is not None and work.shape[2] >= n * G:
             whole, codes = n, work[:, :, : n * G, : q_codes.shape[-1]]
         else:
             whole, codes = m // G, q_codes  # a partial last group is scored on its own
