@@ -26,10 +26,10 @@ then takes the Triton kernel over packed codes (kernels/triton_decode.py), the d
 synchronised before and after every timed step, SDPA runs over keys and values of ``--dtype``,
 and ``memory`` reads ``torch.cuda.max_memory_allocated`` in this process (reset before the step)
 instead of a fresh process's resident set. ``--model`` picks a geometry of benchmarks/decode.py
-(or ``smollm2``, the real model) for the model speed instead of the small Llama. The GPU floors (docs/gpu.md): at 32k tokens,
-batch 16, the 8-bit kernel's step >= 1.5x and the 4-bit one's >= 2.5x as fast as bf16 SDPA
-(``sdpa_ms / median_ms``, reported as ``speedup_vs_sdpa``), and 4-bit end-to-end decode >= 1.3x
-as fast as dense.
+(or ``smollm2``, the real model) for the model speed instead of the small Llama. The GPU floors
+(docs/gpu.md): at 32k tokens, batch 16, the 8-bit kernel's step >= 1.5x and the 4-bit one's
+>= 2.5x as fast as bf16 SDPA (``sdpa_ms / median_ms``, reported as ``speedup_vs_sdpa``), and
+4-bit end-to-end decode >= 1.3x as fast as dense.
 
     python benchmarks/quantized.py [--out FILE] [--memory-tokens 32768] [--speed-tokens 16384]
     python benchmarks/quantized.py --device cuda --batch 16 --speed-tokens 32768 --parts layer,model --model 1B
