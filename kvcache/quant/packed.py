@@ -123,7 +123,7 @@ class PackedValues(_Packed):
         """Slots [s0, s1) at the model's dtype: (B, H, s1 - s0, D)."""
         out = _decode_tokens(self.codes[:, :, s0:s1], self.meta[:, :, s0:s1], self.bits)
         if self.mode is not None:
-            res = _rows_of(self.residual, self.res_start, torch.arange(s0, s1, device=self.device)).float()
+            res = _rows_of(self.residual, self.res_start, s0, s1).float()
             out = torch.where(self.mode[:, :, s0:s1, None] == RESIDUAL, res, out)
         return out.to(self.dtype)
 
@@ -217,7 +217,7 @@ class PackedKeys(_Packed):
             tok = _decode_tokens(self.codes[:, :, s0:s1], self.meta[:, :, s0:s1], self.bits)
             out = tok if out is None else torch.where(mode == TOKEN, tok, out)
         if _any(mode == RESIDUAL):
-            res = _rows_of(self.residual, self.res_start, torch.arange(s0, s1, device=self.device)).float()
+            res = _rows_of(self.residual, self.res_start, s0, s1).float()
             out = res if out is None else torch.where(mode == RESIDUAL, res, out)
         if out is None:  # no slot at all
             out = torch.zeros(B, H, m, self.head_dim, device=self.device)
@@ -333,10 +333,10 @@ def _entry_of(res_start: torch.Tensor, s0: int, s1: int, group: int) -> torch.Te
     return (slots[None, :] - res_start[:, None]).clamp(0, group - 1)
 
 
-def _rows_of(residual: torch.Tensor, res_start: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """(B, H, m, D): the residual entry of each of ``slots`` (m,) (garbage where not RESIDUAL)."""
+def _rows_of(residual: torch.Tensor, res_start: torch.Tensor, s0: int, s1: int) -> torch.Tensor:
+    """(B, H, m, D): the residual entry of each slot of [s0, s1) (garbage where not RESIDUAL)."""
     B, H, G, D = residual.shape
-    idx = (slots[None, :] - res_start[:, None]).clamp(0, G - 1)  # (B, m)
+    idx = _entry_of(res_start, s0, s1, G)  # (B, m)
     return residual.gather(2, idx[:, None, :, None].expand(B, H, -1, D))
 
 
