@@ -11,6 +11,7 @@ import functools
 
 import pytest
 import torch
+from torch._dynamo.backends.common import aot_autograd
 
 import kvcache
 import kvcache.compile
@@ -278,6 +279,46 @@ def test_captured_step_reads_and_writes_static_addresses_only(tiny, name, option
     assert recorder.aliased == set(), recorder.aliased
     assert any("device_lengths" in input_name for input_name in recorder.mutated), recorder.mutated
     assert cache.lengths.tolist() == [16, 13] and cache.device_lengths.tolist() == [16, 13]
+
+
+@pytest.mark.parametrize("name,options", CASES, ids=lambda x: str(x))
+def test_captured_step_writes_no_cache_buffer_through_a_scatter(tiny, name, options):
+    """The step's writes into the cache are ones inductor makes in place (kvcache/cache/slots.py).
+    In the graph inductor receives (functionalized, a written input copied back at the end), a
+    write whose new value comes from a scatter costs a copy of the whole buffer and a copy back
+    each step: every layer's keys and values twice over, for one token."""
+    scattered: set[str] = set()
+
+    def inspect(gm, example_inputs):
+        scattered.update(inputs_written_from_a_scatter(gm))
+        return gm
+
+    backend = aot_autograd(fw_compiler=inspect, keep_inference_input_mutations=True)
+    C = 24 if name.startswith("dense") else 9
+    ids = ids_for(16, batch=2, seed=3)
+    cache = kvcache.make_cache(tiny, name, cache_length=C, batch_size=2, **options)
+    decode = CompiledDecode(tiny, cache, backend=backend)
+    with torch.no_grad():
+        tiny(ids[:, :10], cache, n_tokens=[10, 7])
+        got = decode(ids[:, 10:11])
+    assert got.shape == (2, VOCAB) and cache.lengths.tolist() == [11, 8]
+    assert scattered == set(), scattered
+
+
+def inputs_written_from_a_scatter(gm) -> set[str]:
+    """The placeholders of a functionalized graph that a ``copy_`` writes from a value made, at
+    any step of its chain of self arguments, by ``aten.scatter``: each as its name and shape."""
+    found = set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not torch.ops.aten.copy_.default:
+            continue
+        dst, src = node.args[:2]
+        while dst.op == "placeholder" and isinstance(src, torch.fx.Node) and src.op == "call_function":
+            if getattr(src.target, "overloadpacket", None) is torch.ops.aten.scatter:
+                found.add(f"{dst.name} {tuple(dst.meta['val'].shape)}")
+                break
+            src = src.args[0] if src.args and isinstance(src.args[0], torch.fx.Node) else None
+    return found
 
 
 def overlapping_mutated(inputs: dict[str, torch.Tensor], mutated: set[str]) -> set[str]:

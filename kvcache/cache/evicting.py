@@ -42,6 +42,7 @@ from .. import attention
 from .base import CacheSpec, LayerCache, Step
 from .blocks import keep_whole_blocks
 from .candidates import Candidates
+from .slots import put
 from .storage import in_place, make_storage
 
 # Added to a priority to make a candidate outrank every scored one (sinks, the recent window).
@@ -302,8 +303,7 @@ class EvictingCache(LayerCache):
         victim = torch.where(lowest, pos, torch.iinfo(pos.dtype).max).argmin(-1, keepdim=True)  # (B, Hp, 1)
         store.settle(victim, k, v, step.positions)
         if self.stat_names:
-            n, B, Hp, _ = self._stat_buffer.shape
-            self._stat_buffer.scatter_(3, victim.expand(n, B, Hp, 1), self._stat_buffer[..., C : C + 1].clone())
+            put(self._stat_buffer, victim.unsqueeze(0), self._stat_buffer[..., C : C + 1].clone())
         return out
 
     def advance_decode(self) -> None:

@@ -6,6 +6,7 @@ import torch
 
 from .. import positions as _positions
 from ..base import CacheSpec
+from ..slots import put
 
 
 class FullStorage:
@@ -46,13 +47,10 @@ class FullStorage:
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """Write token t of row b to slot ``slots[b, t]`` (shared by heads); positions: (B, T)."""
-        B, H, T, D = k.shape
-        index = slots[:, None, :, None].expand(B, H, T, D)
-        self.k.scatter_(2, index, k)
-        self.v.scatter_(2, index, v)
-        Hp = self.pos.shape[1]
-        new = positions.to(self.pos.dtype).unsqueeze(1).expand(B, Hp, T)
-        self.pos.scatter_(2, slots.unsqueeze(1).expand(B, Hp, T), new)
+        slots = slots.unsqueeze(1)  # (B, 1, T): every head's
+        put(self.k, slots, k)
+        put(self.v, slots, v)
+        put(self.pos, slots, positions.to(self.pos.dtype).unsqueeze(1))
 
     def empty_scratch(self) -> None:
         """Slot C: position -1, keys and values zero (see the Storage protocol)."""
@@ -64,14 +62,12 @@ class FullStorage:
         """Move the token that ``write_slice(C, k, v, positions)`` put in the scratch slot C to
         slot ``dst`` (B, Hp, 1), and empty the scratch slot. k, v: (B, Hkv, 1, D); positions: (B, 1).
 
-        The scratch slot holds exactly k and v, so they are scattered from the arguments: a
-        scatter may not read from the buffer it writes."""
-        B, H, C1, D = self.k.shape
-        index = dst.unsqueeze(-1).expand(B, H, 1, D)
-        self.k.scatter_(2, index, k.to(self.k.dtype))
-        self.v.scatter_(2, index, v.to(self.v.dtype))
-        self.pos.scatter_(2, dst, positions.to(self.pos.dtype).unsqueeze(1).expand_as(dst))
-        self.pos[:, :, C1 - 1] = -1
+        The scratch slot holds exactly k and v, so they are put from the arguments: a write may
+        not read from the buffer it writes."""
+        put(self.k, dst, k.to(self.k.dtype))
+        put(self.v, dst, v.to(self.v.dtype))
+        put(self.pos, dst, positions.to(self.pos.dtype).unsqueeze(1))
+        self.pos[:, :, -1] = -1
 
     def keep(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, index: torch.Tensor, stored: int = 0) -> None:
         """Fill slots [0, C) with candidates ``index`` (B, Hp, C) picked from k, v (B, Hkv, N, D), pos (B, Hp, N).

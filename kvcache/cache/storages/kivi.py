@@ -24,6 +24,7 @@ from ...kernels import fused
 from ...quant.codes import KEY_TOKEN_SCALE, VALUE_GROUPS, encode_tokens, key_clip, pack, quantize, quantize_scaled, unpack
 from ...quant.packed import CHANNEL, RESIDUAL, TOKEN, PackedKeys, PackedValues, after
 from ..base import CacheSpec
+from ..slots import put
 from .token import TokenStorage, _encode_pair, _stackable
 
 
@@ -218,9 +219,10 @@ class KiviStorage(TokenStorage):
         # An abandoned group's slots fall back to the per-token codes written with them (their
         # mode follows res_start and fill).
         abandon = real & open_ & ~cont
-        index = offset.clamp(max=G - 1)[:, None, None, None].expand(B, H, 1, D)
+        at = offset.clamp(max=G - 1)[:, None, None]  # (B, 1, 1)
+        index = at[..., None].expand(B, H, 1, D)
         for buf, x in ((self.k_residual, k), (self.v_residual, v)):
-            buf.scatter_(2, index, torch.where(resid[:, None, None, None], x[:, :, None].to(buf.dtype), buf.gather(2, index)))
+            put(buf, at, torch.where(resid[:, None, None, None], x[:, :, None].to(buf.dtype), buf.gather(2, index)))
         fill = torch.where(resid, offset + 1, torch.where(abandon, 0, self.fill))
         res_start = torch.where(resid, group * G, torch.where(abandon, -1, self.res_start))
         seal = resid & (offset == G - 1)
@@ -238,14 +240,15 @@ class KiviStorage(TokenStorage):
         B, H = self.k.shape[:2]
         q, scale, zero, kmeta = self._quantize_keys(self.k_residual)
         g = group.clamp(max=NG - 1)
-        slots = (g[:, None] * G + torch.arange(G, device=g.device))[:, None, :, None]  # (B, 1, G, 1)
-        idx = slots.expand(B, H, G, self.k.shape[-1])
-        self.k.scatter_(2, idx, torch.where(seal[:, None, None, None], pack(q, self.bits), self.k.gather(2, idx)))
-        midx = slots.expand(B, H, G, 2)
-        self.k_meta.scatter_(2, midx, torch.where(seal[:, None, None, None], kmeta, self.k_meta.gather(2, midx)))
-        cidx = g[:, None, None, None, None].expand(B, H, 1, 2, D)
+        slots = (g[:, None] * G + torch.arange(G, device=g.device))[:, None, :]  # (B, 1, G)
+        sealed = seal[:, None, None, None]
+        codes = self.k.gather(2, slots[..., None].expand(B, H, G, self.k.shape[-1]))
+        put(self.k, slots, torch.where(sealed, pack(q, self.bits), codes))
+        put(self.k_meta, slots, torch.where(sealed, kmeta, self.k_meta.gather(2, slots[..., None].expand(B, H, G, 2))))
         meta = torch.cat((scale, zero), 2).unsqueeze(2)  # (B, H, 1, 2, D)
-        self.k_channel.scatter_(2, cidx, torch.where(seal[:, None, None, None, None], meta, self.k_channel.gather(2, cidx)))
+        column = g[:, None, None]  # (B, 1, 1)
+        old = self.k_channel.gather(2, column[..., None, None].expand(B, H, 1, 2, D))
+        put(self.k_channel, column, torch.where(sealed[..., None], meta, old))
 
     def _write_runs(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """A chunk: plan its runs on the host (``_Runs``), stage each residual run's keys and

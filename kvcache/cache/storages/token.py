@@ -15,6 +15,7 @@ from ...quant.codes import SLICE_ELEMENTS, decode_tokens, encode_tokens
 from ...quant.packed import PackedKeys, PackedValues, after
 from .. import positions as _positions
 from ..base import CacheSpec
+from ..slots import put
 
 
 class TokenStorage:
@@ -141,10 +142,10 @@ class TokenStorage:
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """Write token t of row b to slot ``slots[b, t]`` (shared by heads); positions: (B, T)."""
-        _scatter_tokens(self._buffers(), slots, self._encoded(k, v))
-        B, Hp, T = self.pos.shape[0], self.pos.shape[1], slots.shape[1]
-        new = positions.to(self.pos.dtype).unsqueeze(1).expand(B, Hp, T)
-        self.pos.scatter_(2, slots.unsqueeze(1).expand(B, Hp, T), new)
+        slots = slots.unsqueeze(1)  # (B, 1, T): every head's
+        for buf, x in zip(self._buffers(), self._encoded(k, v)):
+            put(buf, slots, x)
+        put(self.pos, slots, positions.to(self.pos.dtype).unsqueeze(1))
 
     def empty_scratch(self) -> None:
         """Slot C: position -1, codes and their meta zero (see the Storage protocol)."""
@@ -155,10 +156,11 @@ class TokenStorage:
     def settle(self, dst: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """Move the token in the scratch slot to slot ``dst`` (B, Hp, 1) and empty the scratch
         slot. Codes move as they are: a moved token is not re-quantized."""
-        _move_scratch(self._buffers(), dst)
-        C1 = self.pos.shape[2]
-        self.pos.scatter_(2, dst, positions.to(self.pos.dtype).unsqueeze(1).expand_as(dst))
-        self.pos[:, :, C1 - 1] = -1
+        for buf in self._buffers():
+            # A write may not read from the buffer it writes: the scratch slot is copied first.
+            put(buf, dst, buf[:, :, -1:].clone())
+        put(self.pos, dst, positions.to(self.pos.dtype).unsqueeze(1))
+        self.pos[:, :, -1] = -1
 
     def keep(self, k, v, pos: torch.Tensor, index: torch.Tensor, stored: int = 0) -> None:
         """Fill slots [0, C) with candidates ``index`` (B, Hp, C) of k, v (B, Hkv, N, D), pos
@@ -202,22 +204,6 @@ def _encode_pair(encode, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor
     as two calls (every group is quantized on its own), at one call's overhead."""
     codes, meta = encode(torch.stack((k, v)))
     return codes[0], codes[1], meta[0], meta[1]
-
-
-def _scatter_tokens(buffers, slots: torch.Tensor, new) -> None:
-    """Write token t of row b of each of ``new`` (B, H, T, n) to slot ``slots[b, t]`` of its buffer."""
-    B, T = slots.shape
-    for buf, x in zip(buffers, new):
-        buf.scatter_(2, slots[:, None, :, None].expand(B, buf.shape[1], T, buf.shape[-1]), x)
-
-
-def _move_scratch(buffers, dst: torch.Tensor) -> None:
-    """Copy each buffer's scratch slot (the last) to slot ``dst`` (B, Hp, 1) of every head."""
-    for buf in buffers:
-        B, H, C1 = buf.shape[:3]
-        index = dst.expand(B, H, 1).unsqueeze(-1).expand(B, H, 1, buf.shape[-1])
-        # A scatter may not read from the buffer it writes: copy the scratch slot first.
-        buf.scatter_(2, index, buf[:, :, C1 - 1 :].clone())
 
 
 def _gather_candidates(buf: torch.Tensor, new: torch.Tensor, stored: int, index: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,25 @@
+"""Writing tokens into slots of a layer's buffers, as a captured step can do in place.
+
+A captured decode step (compile.py) takes the cache's buffers as inputs and writes the new
+token into them. Inductor makes an ``index_put_`` into such an input an in-place write, but not
+a ``scatter_``: that one it computes into a copy of the whole buffer, which it then copies back,
+two passes over every layer's keys and values a step. Eager, the two are the same write.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def put(buf: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """``buf[i, slots[i, t]] = values[i, t]`` for every index i of the leading dimensions and token t.
+
+    slots: (*L, T) long, indices into dimension ``len(L)`` of buf, with L broadcastable to buf's
+    first ``len(L)`` dimensions (a (B, 1, T) of slots serves every head of a (B, H, S, D) buffer);
+    values: broadcastable to (*buf.shape[:len(L)], T, *buf.shape[len(L) + 1:]), of buf's dtype and
+    not overlapping it (clone a slot of buf before putting it elsewhere). Two tokens aimed at one
+    slot leave either one there (the scratch slot, which the caller empties afterwards)."""
+    lead = slots.dim() - 1
+    index = [torch.arange(n, device=buf.device).view([n if i == d else 1 for i in range(lead + 1)])
+             for d, n in enumerate(buf.shape[:lead])]
+    buf.index_put_((*index, slots), values)
