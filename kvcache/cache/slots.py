@@ -3,7 +3,9 @@
 A captured decode step (compile.py) takes the cache's buffers as inputs and writes the new
 token into them. Inductor makes an ``index_put_`` into such an input an in-place write, but not
 a ``scatter_``: that one it computes into a copy of the whole buffer, which it then copies back,
-two passes over every layer's keys and values a step. Eager, the two are the same write.
+two passes over every layer's keys and values a step. Eager, the two are the same write, and a
+scatter the cheaper call (one token on a CPU: an index_put about 32 us, a scatter 13), so
+``put`` scatters unless it is being compiled.
 """
 
 from __future__ import annotations
@@ -20,6 +22,14 @@ def put(buf: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
     not overlapping it (clone a slot of buf before putting it elsewhere). Two tokens aimed at one
     slot leave either one there (the scratch slot, which the caller empties afterwards)."""
     lead = slots.dim() - 1
+    if not torch.compiler.is_compiling():
+        shape = list(buf.shape)
+        shape[lead] = slots.shape[-1]
+        index = slots
+        for _ in range(buf.dim() - lead - 1):
+            index = index.unsqueeze(-1)
+        buf.scatter_(lead, index.expand(shape), values.expand(shape))
+        return
     index = [torch.arange(n, device=buf.device).view([n if i == d else 1 for i in range(lead + 1)])
              for d, n in enumerate(buf.shape[:lead])]
     buf.index_put_((*index, slots), values)
