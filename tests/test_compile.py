@@ -257,6 +257,18 @@ class Recorder:
         return run
 
 
+def prefilled(model, name, options, backend):
+    """A two-row cache of ``name`` after a ragged prefill of 10 and 7 tokens, its decode step
+    captured through ``backend``, and the ids (2, 16) whose tokens 10 on the step takes."""
+    C = 24 if name.startswith("dense") else 9
+    ids = ids_for(16, batch=2, seed=3)
+    cache = kvcache.make_cache(model, name, cache_length=C, batch_size=2, **options)
+    decode = CompiledDecode(model, cache, backend=backend)
+    with torch.no_grad():
+        model(ids[:, :10], cache, n_tokens=[10, 7])
+    return cache, decode, ids
+
+
 @pytest.mark.parametrize("name,options", CASES + [("h2o", {"head_budgets": [[6, 10], [8, 8]], "recent": 2})],
                          ids=lambda x: str(x))
 def test_captured_step_reads_and_writes_static_addresses_only(tiny, name, options):
@@ -265,12 +277,8 @@ def test_captured_step_reads_and_writes_static_addresses_only(tiny, name, option
     device lengths itself. (Inductor skips CUDA graphs for a step that mutates a non-static
     input, and copies every non-static input into the graph's memory on each replay.)"""
     recorder = Recorder()
-    C = 24 if name.startswith("dense") else 9
-    ids = ids_for(16, batch=2, seed=3)
-    cache = kvcache.make_cache(tiny, name, cache_length=C, batch_size=2, **options)
-    decode = CompiledDecode(tiny, cache, backend=recorder)
+    cache, decode, ids = prefilled(tiny, name, options, recorder)
     with torch.no_grad():
-        tiny(ids[:, :10], cache, n_tokens=[10, 7])
         for t in range(10, 16):
             decode(ids[:, t : t + 1])
     others = {input_name for input_name, static in recorder.static.items() if not static}
@@ -294,12 +302,8 @@ def test_captured_step_writes_no_cache_buffer_through_a_scatter(tiny, name, opti
         return gm
 
     backend = aot_autograd(fw_compiler=inspect, keep_inference_input_mutations=True)
-    C = 24 if name.startswith("dense") else 9
-    ids = ids_for(16, batch=2, seed=3)
-    cache = kvcache.make_cache(tiny, name, cache_length=C, batch_size=2, **options)
-    decode = CompiledDecode(tiny, cache, backend=backend)
+    cache, decode, ids = prefilled(tiny, name, options, backend)
     with torch.no_grad():
-        tiny(ids[:, :10], cache, n_tokens=[10, 7])
         got = decode(ids[:, 10:11])
     assert got.shape == (2, VOCAB) and cache.lengths.tolist() == [11, 8]
     assert scattered == set(), scattered
