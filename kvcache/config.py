@@ -1,7 +1,9 @@
 """Model configuration: one validated dataclass, filled from a checkpoint's ``config.json``.
 
-Each supported family maps onto the same dataclass through a few flags (``qkv_bias`` for Qwen2,
-``qk_norm`` for Qwen3); the model code itself never branches on the family name.
+Each supported family maps onto the same dataclass through a few fields that pick its parts
+(``qk_norm`` for Qwen3; Gemma 3's norm, block layout, activation and embedding scale); the model
+code itself never branches on the family name. Each layer's attention geometry (global, or
+sliding with its window, and its rotary) is ``ModelConfig.layer(i)``.
 """
 
 from __future__ import annotations
@@ -13,15 +15,26 @@ from typing import Any, Callable
 
 from .errors import CheckpointError
 
-# model_type -> flags that distinguish the family. Everything else is read from config.json.
-FAMILIES: dict[str, dict[str, bool]] = {
-    "llama": {"qk_norm": False},
-    "mistral": {"qk_norm": False},
-    "qwen2": {"qk_norm": False},
+# model_type -> the fields that distinguish the family (its parts). Everything else is read from
+# config.json.
+FAMILIES: dict[str, dict[str, object]] = {
+    "llama": {},
+    "mistral": {},
+    "qwen2": {},
     "qwen3": {"qk_norm": True},
+    "gemma3_text": {"qk_norm": True, "norm": "gemma", "block": "sandwich", "scale_embeddings": True},
 }
 
 ROPE_TYPES = ("default", "linear", "llama3")
+# A layer's attention kind, as transformers' ``config.layer_types`` names it.
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# RMSNorm forms: "rms" scales by w after casting back (Llama); "gemma" by (1 + w) in float32.
+NORMS = ("rms", "gemma")
+# Block layouts: "pre_norm" (a norm before attention and before the MLP, Llama); "sandwich" (also
+# a norm after each, before its residual add: Gemma 2 and 3).
+BLOCKS = ("pre_norm", "sandwich")
+# The gated MLP's activation, by transformers' names.
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True)
@@ -38,6 +51,19 @@ class RopeConfig:
 
     def __post_init__(self) -> None:
         _validate(self, _ROPE_RULES)
+
+
+@dataclass(frozen=True)
+class LayerGeometry:
+    """One layer's attention, as its cache needs it: ``window`` None for global attention, else
+    the sliding window (a query at position p sees keys at p - window + 1 .. p); its rotary."""
+
+    window: int | None
+    rope: RopeConfig
+
+    @property
+    def sliding(self) -> bool:
+        return self.window is not None
 
 
 @dataclass(frozen=True)
@@ -63,8 +89,21 @@ class ModelConfig:
     qk_norm: bool = False
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 2048
-    # Model-level sliding-window attention (Mistral, some Qwen2 layers); None means full attention.
+    # Sliding-window attention: the window of every layer (Mistral) or, with ``layer_types``, of
+    # the sliding layers (Gemma 3, Qwen2/3 with use_sliding_window); None means full attention.
     sliding_window: int | None = None
+    # Each layer's kind, one of LAYER_TYPES per layer; empty: every layer alike (sliding when
+    # ``sliding_window`` is set).
+    layer_types: tuple[str, ...] = ()
+    # The rotary of the sliding layers where it differs from ``rope`` (Gemma 3's local base).
+    rope_local: RopeConfig | None = None
+    norm: str = "rms"
+    block: str = "pre_norm"
+    activation: str = "silu"
+    # Embeddings multiplied by sqrt(hidden_size) (Gemma).
+    scale_embeddings: bool = False
+    # Attention scores are scaled by query_pre_attn_scalar ** -0.5 (Gemma); None: head_dim ** -0.5.
+    query_pre_attn_scalar: float | None = None
     model_type: str = "llama"
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -75,11 +114,33 @@ class ModelConfig:
             raise ValueError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types lists {len(self.layer_types)} layers but num_hidden_layers is "
+                             f"{self.num_layers}")
+        if "sliding_attention" in self.layer_types and self.sliding_window is None:
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is null")
 
     @property
     def group_size(self) -> int:
         """Query heads per K/V head."""
         return self.num_heads // self.num_kv_heads
+
+    def layer(self, i: int) -> LayerGeometry:
+        """Layer ``i``'s attention geometry: its window (None for global attention) and rotary."""
+        kind = self.layer_types[i] if self.layer_types else None
+        if kind == "full_attention" or self.sliding_window is None:
+            return LayerGeometry(None, self.rope)
+        return LayerGeometry(self.sliding_window, self.rope_local or self.rope)
+
+    @property
+    def layers(self) -> tuple[LayerGeometry, ...]:
+        """Every layer's geometry, in order."""
+        return tuple(self.layer(i) for i in range(self.num_layers))
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor on query-key dot products: query_pre_attn_scalar ** -0.5, or head_dim ** -0.5."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
@@ -93,6 +154,7 @@ class ModelConfig:
             hidden = hf["hidden_size"]
             heads = hf["num_attention_heads"]
             attention_bias = _flag(hf, "attention_bias")
+            rope, rope_local = _ropes_from_hf(hf)
             return cls(
                 vocab_size=hf["vocab_size"],
                 hidden_size=hidden,
@@ -102,14 +164,18 @@ class ModelConfig:
                 num_kv_heads=hf.get("num_key_value_heads") or heads,
                 head_dim=hf.get("head_dim") or _derived_head_dim(hidden, heads),
                 rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-                rope=_rope_from_hf(hf),
+                rope=rope,
+                rope_local=rope_local,
                 qkv_bias=True if model_type == "qwen2" else attention_bias,
                 o_bias=False if model_type == "qwen2" else attention_bias,
                 mlp_bias=_flag(hf, "mlp_bias"),
-                qk_norm=FAMILIES[model_type]["qk_norm"],
                 tie_word_embeddings=_flag(hf, "tie_word_embeddings"),
                 max_position_embeddings=hf.get("max_position_embeddings", 2048),
                 sliding_window=_sliding_window_from_hf(hf),
+                layer_types=_layer_types_from_hf(hf),
+                activation=hf.get("hidden_activation") or hf.get("hidden_act") or "silu",
+                query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
+                **FAMILIES[model_type],
                 model_type=model_type,
                 bos_token_id=hf.get("bos_token_id"),
                 eos_token_id=hf.get("eos_token_id"),
@@ -150,9 +216,21 @@ def _derived_head_dim(hidden: Any, heads: Any) -> Any:
     return None
 
 
-def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
+def _ropes_from_hf(hf: dict[str, Any]) -> tuple[RopeConfig, RopeConfig | None]:
+    """The rotary of the global layers, and of the sliding layers where it differs (or None)."""
+    params = hf.get("rope_parameters") or {}
+    if isinstance(params, dict) and set(params) & set(LAYER_TYPES):
+        # transformers 5 writes one set per layer kind where they differ (Gemma 3).
+        full = _rope_from_hf(hf, params.get("full_attention") or {})
+        local = params.get("sliding_attention")
+        return full, None if local is None else _rope_from_hf(hf, local)
+    rope = _rope_from_hf(hf, params)
+    local_theta = hf.get("rope_local_base_freq")  # transformers 4.x's Gemma 3: default rotary, this base
+    return rope, None if local_theta is None else RopeConfig(theta=local_theta)
+
+
+def _rope_from_hf(hf: dict[str, Any], params: dict[str, Any]) -> RopeConfig:
     # transformers 5 writes "rope_parameters" (theta included); 4.x wrote "rope_theta" + "rope_scaling".
-    params = dict(hf.get("rope_parameters") or {})
     scaling = hf.get("rope_scaling") or {}
     params = {**scaling, **params}
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
@@ -169,15 +247,28 @@ def _rope_from_hf(hf: dict[str, Any]) -> RopeConfig:
 def _sliding_window_from_hf(hf: dict[str, Any]) -> Any:
     """The model's own window as config.json gives it (ModelConfig checks it), or None."""
     window = hf.get("sliding_window")
-    if window is None:
-        return None
-    if hf.get("model_type") in ("qwen2", "qwen3"):
-        # Qwen applies its window only when use_sliding_window is set (and then only to some layers);
-        # we support the common case of no window.
-        if hf.get("use_sliding_window"):
-            raise CheckpointError("Qwen sliding-window layers (use_sliding_window=true) are not supported")
-        return None
+    if window is not None and hf.get("model_type") in ("qwen2", "qwen3") and not hf.get("use_sliding_window"):
+        return None  # Qwen declares a window it applies only with use_sliding_window
     return window
+
+
+def _layer_types_from_hf(hf: dict[str, Any]) -> Any:
+    """Each layer's kind (a tuple, ModelConfig checks it), or () when every layer is alike."""
+    types = hf.get("layer_types")
+    if isinstance(types, list):
+        if _sliding_window_from_hf(hf) is None and hf.get("model_type") in ("qwen2", "qwen3"):
+            return ()  # a Qwen window declared but not used: every layer global
+        return tuple(types)
+    if types is not None:
+        return types  # not a list: ModelConfig names the field
+    if hf.get("model_type") in ("qwen2", "qwen3") and _sliding_window_from_hf(hf) is not None:
+        # transformers 4.x wrote no layer_types: layers from max_window_layers on are sliding.
+        first = hf.get("max_window_layers", hf["num_hidden_layers"])
+        if not _is_int(first):
+            raise CheckpointError(f"config.json is invalid: max_window_layers must be an int, got {first!r}")
+        kinds = ("full_attention", "sliding_attention")
+        return tuple(kinds[i >= first] for i in range(hf["num_hidden_layers"]))
+    return ()
 
 
 # ----- validation ---------------------------------------------------------------------------------
@@ -211,6 +302,7 @@ JSON_KEYS = {
     "qkv_bias": "attention_bias",
     "o_bias": "attention_bias",
     "theta": "rope_theta",
+    "activation": "hidden_act",
 }
 
 
@@ -236,16 +328,25 @@ _TYPES: dict[str, tuple[str, Callable[[object], bool]]] = {
         lambda v: v is None or _is_int(v) or (isinstance(v, list) and all(_is_int(x) for x in v)),
     ),
     "RopeConfig": ("a RopeConfig", lambda v: isinstance(v, RopeConfig)),
+    "RopeConfig | None": ("a RopeConfig or None", lambda v: v is None or isinstance(v, RopeConfig)),
+    "float | None": ("a number or null", lambda v: v is None or _is_number(v)),
+    "tuple[str, ...]": ("a list of strings", lambda v: isinstance(v, tuple) and all(isinstance(x, str) for x in v)),
 }
 
 # Field -> (what its value must be, test), checked once its type is right.
 Rule = tuple[str, Callable[[Any], bool]]
 _POSITIVE: Rule = ("positive", lambda v: v > 0)
+_POSITIVE_OR_NULL: Rule = ("positive or null", lambda v: v is None or v > 0)
 _MODEL_RULES: dict[str, Rule] = {
     **{name: _POSITIVE for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                                     "num_heads", "num_kv_heads", "max_position_embeddings")},
     "head_dim": ("positive and even (rotary embeddings rotate pairs)", lambda v: v > 0 and v % 2 == 0),
     "sliding_window": ("positive or null (no window)", lambda v: v is None or v > 0),
+    "layer_types": (f"a list of {' and '.join(LAYER_TYPES)}", lambda v: all(t in LAYER_TYPES for t in v)),
+    "norm": (f"one of {', '.join(NORMS)}", lambda v: v in NORMS),
+    "block": (f"one of {', '.join(BLOCKS)}", lambda v: v in BLOCKS),
+    "activation": (f"one of {', '.join(ACTIVATIONS)}", lambda v: v in ACTIVATIONS),
+    "query_pre_attn_scalar": _POSITIVE_OR_NULL,
 }
 _ROPE_RULES: dict[str, Rule] = {
     "rope_type": (f"one of {', '.join(ROPE_TYPES)}", lambda v: v in ROPE_TYPES),
@@ -264,7 +365,7 @@ def _validate(config: ModelConfig | RopeConfig, rules: dict[str, Rule]) -> None:
         expected, is_type = _TYPES[f.type]
         if not is_type(value):
             raise FieldTypeError(owner, f.name, f"must be {expected}, got {value!r} ({type(value).__name__})")
-        if f.type == "float":
+        if f.type in ("float", "float | None") and value is not None:
             object.__setattr__(config, f.name, float(value))
         if f.name in rules:
             must, holds = rules[f.name]

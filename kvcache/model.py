@@ -1,4 +1,7 @@
-"""The transformer: embedding, pre-norm blocks with grouped-query attention and a gated MLP, head.
+"""The transformer: embedding, blocks of grouped-query attention and a gated MLP, head.
+
+The family's config picks the parts (kvcache/parts: the norm, the MLP's activation, the block
+layout) and each layer's geometry (``ModelConfig.layer``: global or sliding attention, its rotary).
 
 No cache logic lives here. With a cache, each attention layer hands its rotated queries and keys
 and its values to its layer of the cache and gets the attention output back; without one it calls
@@ -12,13 +15,14 @@ import warnings
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from . import attention, devices
 from .cache.base import KVCache, LayerCache, Step
 from .config import ModelConfig
 from .errors import KVCacheWarning
+from .parts.mlp import MLP
+from .parts.norm import make_norm
 from .rope import apply_rope, inverse_frequencies, rope_angles
 
 # Called at the start of every block with (layer index, hidden states (B, T, hidden_size)); a
@@ -26,30 +30,25 @@ from .rope import apply_rope, inverse_frequencies, rope_angles
 LayerHook = Callable[[int, torch.Tensor], "torch.Tensor | None"]
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 and scale after casting back, as the reference implementations do.
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
-        return self.weight * normed.to(x.dtype)
-
-
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
         self.cfg = cfg
+        # This layer's sliding window, None for global attention (ModelConfig.layer).
+        self.window = cfg.layer(index).window
         D = cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * D, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * D, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * D, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * D, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
+            self.q_norm = make_norm(cfg.norm, D, cfg.rms_norm_eps)
+            self.k_norm = make_norm(cfg.norm, D, cfg.rms_norm_eps)
+        # Every attention kernel scales scores by D ** -0.5; a model with its own scale (Gemma's
+        # query_pre_attn_scalar) hands the caches queries pre-scaled by the ratio, so that no
+        # kernel, policy or storage needs to know.
+        ratio = cfg.attention_scale * D**0.5
+        self.query_ratio = None if ratio == 1.0 else ratio
 
     def forward(
         self,
@@ -59,7 +58,7 @@ class Attention(nn.Module):
         layer_cache: LayerCache | None,
         step: Step | None,
     ) -> torch.Tensor:
-        """x: (B, T, hidden); cos, sin: (B or 1, T, D) -> (B, T, hidden)."""
+        """x: (B, T, hidden); cos, sin: (B or 1, T, D), this layer's rotary -> (B, T, hidden)."""
         B, T, _ = x.shape
         D = self.cfg.head_dim
         q = self.q_proj(x).view(B, T, -1, D)
@@ -72,35 +71,46 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin).transpose(1, 2)
         k = apply_rope(k, cos, sin).transpose(1, 2)
         v = v.transpose(1, 2)
+        if self.query_ratio is not None:
+            q = q * self.query_ratio
         if layer_cache is None:
-            out = attention.causal(q, k, v, window=self.cfg.sliding_window)
+            out = attention.causal(q, k, v, window=self.window)
         else:
             out = layer_cache.attend(q, k, v, step)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """Pre-norm: x + attn(norm(x)), then x + mlp(norm(x)) (Llama, Mistral, Qwen)."""
+
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = make_norm(cfg.norm, cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, index)
+        self.post_attention_layernorm = make_norm(cfg.norm, cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, layer_cache: LayerCache | None, step: Step | None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer_cache, step)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class SandwichBlock(Block):
+    """Norms before and after each sublayer: x + norm(attn(norm(x))), then x + norm(mlp(norm(x)))
+    (Gemma 2 and 3; their ``post_attention_layernorm`` follows attention, where Llama's precedes
+    the MLP)."""
+
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
+        super().__init__(cfg, index)
+        self.pre_feedforward_layernorm = make_norm(cfg.norm, cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_feedforward_layernorm = make_norm(cfg.norm, cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, layer_cache: LayerCache | None, step: Step | None) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, layer_cache, step))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
+BLOCKS: dict[str, type[Block]] = {"pre_norm": Block, "sandwich": SandwichBlock}
 
 
 class Transformer(nn.Module):
@@ -115,21 +125,37 @@ class Transformer(nn.Module):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        block = BLOCKS[cfg.block]
+        self.layers = nn.ModuleList(block(cfg, i) for i in range(cfg.num_layers))
+        self.norm = make_norm(cfg.norm, cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.register_buffer("inv_freq", inverse_frequencies(cfg.rope, cfg.head_dim), persistent=False)
+        # One rotary per distinct layer geometry: ``inv_freq`` for the global layers (and every
+        # layer of a family with one rotary), ``inv_freq_local`` for sliding layers with their own.
+        self._ropes = sorted({layer.rope for layer in cfg.layers}, key=lambda r: r != cfg.rope)
+        self._rope_of = [self._ropes.index(layer.rope) for layer in cfg.layers]
+        self.register_buffer("inv_freq", torch.empty(0), persistent=False)
+        self.register_buffer("inv_freq_local", torch.empty(0), persistent=False)
+        # Gemma multiplies its embeddings by sqrt(hidden) rounded to the model's dtype.
+        self.register_buffer("embed_scale", torch.tensor(float(cfg.hidden_size) ** 0.5), persistent=False)
+        self.reset_rope()
         self.layer_hook: LayerHook | None = None
         # A long generation would repeat the warning at every step: it is given once per model.
         self._warned_positions = False
 
     def reset_rope(self) -> None:
-        """Recompute the rotary frequencies (after the model was built on the meta device)."""
-        self.inv_freq = inverse_frequencies(self.config.rope, self.config.head_dim).to(
-            self.embed_tokens.weight.device
-        )
+        """Recompute the rotary frequencies and the embedding scale (after the model was built on
+        the meta device)."""
+        device = self.embed_tokens.weight.device
+        freqs = [inverse_frequencies(rope, self.config.head_dim).to(device) for rope in self._ropes]
+        self.inv_freq = freqs[0]
+        self.inv_freq_local = freqs[1] if len(freqs) > 1 else freqs[0][:0]
+        self.embed_scale = torch.tensor(float(self.config.hidden_size) ** 0.5, device=device)
+
+    def rotary(self, layer: int) -> torch.Tensor:
+        """(head_dim // 2,) float32 rotary frequencies of layer ``layer``."""
+        return self.inv_freq if self._rope_of[layer] == 0 else self.inv_freq_local
 
     def forward(
         self,
@@ -211,13 +237,18 @@ class Transformer(nn.Module):
         caches (None without a cache). ``last`` (B,): keep only these token indices (logits
         (B, 1, vocab)). Returns logits, or the final normed hidden states with ``skip_lm_head``.
         """
-        cos, sin = rope_angles(self.inv_freq, positions, self.embed_tokens.weight.dtype)
+        dtype = self.embed_tokens.weight.dtype
+        freqs = (self.inv_freq, self.inv_freq_local)[: len(self._ropes)]
+        angles = [rope_angles(f, positions, dtype) for f in freqs]  # one (cos, sin) per rotary
         x = self.embed_tokens(input_ids)
+        if self.config.scale_embeddings:
+            x = x * self.embed_scale.to(x.dtype)
         for i, block in enumerate(self.layers):
             if self.layer_hook is not None:
                 replaced = self.layer_hook(i, x)
                 if replaced is not None:
                     x = replaced
+            cos, sin = angles[self._rope_of[i]]
             x = block(x, cos, sin, None if cache is None else cache.layers[i], step)
         if last is not None:
             x = x[torch.arange(x.shape[0], device=x.device), last].unsqueeze(1)

@@ -231,8 +231,12 @@ _COMMON = dict(
 )
 
 
+# Hybrid families: sliding layers of window 8 among global ones, so that chunks cross the window.
+WINDOW = 8
+
+
 def _config(name: str):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     if name == "llama":
         return LlamaConfig(**_COMMON, tie_word_embeddings=False)
@@ -256,15 +260,32 @@ def _config(name: str):
         return MistralConfig(**_COMMON, sliding_window=None, tie_word_embeddings=False)
     if name == "mistral_window":
         return MistralConfig(**_COMMON, sliding_window=8, tie_word_embeddings=False)
+    if name == "gemma3":
+        # Sliding, sliding, global; each kind its own rotary (the global one linearly scaled, as on
+        # Gemma 3 4B+); query_pre_attn_scalar unlike head_dim, so the attention scale is the model's.
+        rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}}
+        return Gemma3TextConfig(**{**_COMMON, "num_hidden_layers": 3}, head_dim=16, query_pre_attn_scalar=24,
+                                sliding_window=WINDOW, rope_parameters=rope, tie_word_embeddings=True,
+                                layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    if name == "qwen2_window":
+        # Layers from max_window_layers on slide.
+        return Qwen2Config(**{**_COMMON, "num_hidden_layers": 3}, use_sliding_window=True, sliding_window=WINDOW,
+                           max_window_layers=1, tie_word_embeddings=False)
+    if name == "qwen3_window":
+        return Qwen3Config(**{**_COMMON, "num_hidden_layers": 3}, use_sliding_window=True, sliding_window=WINDOW,
+                           max_window_layers=2, tie_word_embeddings=True)
     if name == "llama_long":
         # One layer, for the 16k-token memory test.
         return LlamaConfig(**{**_COMMON, "num_hidden_layers": 1, "max_position_embeddings": 32768})
     raise KeyError(name)
 
 
-FAMILIES = ["llama", "llama_llama3", "llama_linear", "qwen2", "qwen3", "mistral", "mistral_window"]
-# Full-attention families: a cache over any chunking must equal the plain forward.
-TIED = {"llama_llama3", "qwen2"}
+FAMILIES = ["llama", "llama_llama3", "llama_linear", "qwen2", "qwen3", "mistral", "mistral_window", "gemma3",
+            "qwen2_window", "qwen3_window"]
+# Families whose layers are not all alike: sliding layers among global ones.
+HYBRID = ["gemma3", "qwen2_window", "qwen3_window"]
+TIED = {"llama_llama3", "qwen2", "gemma3", "qwen3_window"}
 
 
 def build_hf_model(name: str, seed: int | None = None):
@@ -278,10 +299,12 @@ def build_hf_model(name: str, seed: int | None = None):
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
+        # Gemma's norms scale by (1 + w): their weights are stored as offsets from one.
+        one = 0.0 if cfg.model_type.startswith("gemma") else 1.0
         for pname, p in model.named_parameters():
             if pname.endswith("norm.weight"):
-                # Norm weights around 1 but clearly not 1.
-                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+                # Norm scales around 1 but clearly not 1.
+                p.copy_(one + 0.3 * torch.randn(p.shape, generator=gen))
             elif pname.endswith("bias"):
                 p.copy_(0.3 * torch.randn(p.shape, generator=gen))
             elif "embed_tokens" in pname:

@@ -205,14 +205,6 @@ def test_unsupported_model_type_lists_families(ckpt_copy):
         assert family in str(err.value)
 
 
-def test_qwen_sliding_window_layers_rejected(checkpoint_factory, tmp_path):
-    path = tmp_path / "q"
-    shutil.copytree(checkpoint_factory("qwen2").path, path)
-    _edit_config(path, use_sliding_window=True, sliding_window=16)
-    with pytest.raises(kvcache.CheckpointError, match="use_sliding_window"):
-        kvcache.load(path)
-
-
 def test_missing_weights(ckpt_copy):
     (ckpt_copy / "model.safetensors").unlink()
     with pytest.raises(kvcache.CheckpointError, match="model.safetensors"):

@@ -36,6 +36,41 @@ def test_qwen3_qk_norm_and_head_dim():
     assert cfg.qk_norm and cfg.head_dim == 24 and not cfg.qkv_bias
 
 
+def test_qwen_sliding_layers_from_max_window_layers():
+    """A transformers 4.x config.json (no layer_types): layers from max_window_layers on slide."""
+    hf = {**BASE, "num_hidden_layers": 3, "model_type": "qwen2", "sliding_window": 8, "use_sliding_window": True,
+          "max_window_layers": 1}
+    cfg = ModelConfig.from_hf(hf)
+    assert [layer.window for layer in cfg.layers] == [None, 8, 8]
+    assert [layer.window for layer in ModelConfig.from_hf({**hf, "use_sliding_window": False}).layers] == [None] * 3
+
+
+def test_layer_types_pick_each_layers_window_and_rotary():
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}}
+    types = ["sliding_attention", "full_attention"]
+    cfg = ModelConfig.from_hf({**BASE, "model_type": "gemma3_text", "sliding_window": 4, "layer_types": types,
+                               "rope_parameters": rope, "query_pre_attn_scalar": 36})
+    assert cfg.layer(0).window == 4 and cfg.layer(0).rope == RopeConfig(theta=1e4)
+    assert cfg.layer(1).window is None and cfg.layer(1).rope == RopeConfig(theta=1e6, rope_type="linear", factor=8.0)
+    assert cfg.attention_scale == 36 ** -0.5 and cfg.norm == "gemma" and cfg.block == "sandwich"
+    # transformers 4.x's Gemma 3 names the local base apart.
+    old = ModelConfig.from_hf({**BASE, "model_type": "gemma3_text", "sliding_window": 4, "layer_types": types,
+                               "rope_theta": 1e6, "rope_local_base_freq": 1e4})
+    assert old.layer(0).rope == RopeConfig(theta=1e4) and old.layer(1).rope == RopeConfig(theta=1e6)
+
+
+@pytest.mark.parametrize("changes, problem", [
+    ({"layer_types": ["full_attention"]}, "layer_types lists 1 layers"),
+    ({"layer_types": ["full_attention", "chunked_attention"]}, "layer_types"),
+    ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": None}, "sliding_window is null"),
+    ({"hidden_act": "relu"}, "hidden_act"),
+])
+def test_invalid_layer_kinds(changes, problem):
+    with pytest.raises(CheckpointError, match=problem):
+        ModelConfig.from_hf({**BASE, "model_type": "mistral", **changes})
+
+
 def test_mistral_window():
     assert ModelConfig.from_hf({**BASE, "model_type": "mistral", "sliding_window": 8}).sliding_window == 8
     assert ModelConfig.from_hf({**BASE, "model_type": "mistral", "sliding_window": None}).sliding_window is None

@@ -75,16 +75,19 @@ class CacheSpec:
     @classmethod
     def for_model(cls, model: torch.nn.Module, *, batch_size: int, cache_length: int, storage: str = "full",
                   reserve: int = 0, block: int = 1, layer: int | None = None) -> CacheSpec:
-        """The geometry of a cache for ``model`` (a ``Transformer``): its K/V heads, head size,
-        dtype, device, sliding window and rotary frequencies, and with ``layer`` that layer's
-        output projection (when the model has ``layers``). The one place they are read."""
+        """The geometry of a cache for layer ``layer`` of ``model`` (a ``Transformer``, or what
+        ``kvcache.hf`` reads of another engine's model: ``config.layer(i)`` and ``rotary(i)``): its
+        K/V heads, head size, dtype, device, the layer's sliding window and rotary frequencies,
+        and its output projection (when the model has ``layers``). Without ``layer``, layer 0's
+        window and rotary and no projection. The one place they are read."""
         cfg, weight = model.config, model.embed_tokens.weight
         layers = getattr(model, "layers", None)
         out_proj = None if layer is None or layers is None else layers[layer].self_attn.o_proj.weight
+        index = 0 if layer is None else layer
         return cls(batch_size=batch_size, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                    cache_length=cache_length, dtype=weight.dtype, device=weight.device,
-                   sliding_window=cfg.sliding_window, inv_freq=model.inv_freq, storage=storage, reserve=reserve,
-                   block=block, out_proj=out_proj)
+                   sliding_window=cfg.layer(index).window, inv_freq=model.rotary(index), storage=storage,
+                   reserve=reserve, block=block, out_proj=out_proj)
 
 
 @dataclass(frozen=True)
@@ -332,14 +335,15 @@ class KVCache:
 
     @property
     def max_tokens(self) -> int | None:
-        """The most tokens a row can hold, or None if the cache evicts and so takes any number.
+        """The most tokens a row can hold, or None if every layer evicts and so takes any number.
 
-        A cache that keeps every token (dense) rejects a chunk that would take a row past this
+        A layer that keeps every token (dense) rejects a chunk that would take a row past this
         with ``CapacityError``; a caller that knows how many tokens it will feed can check first.
+        (In a model with sliding layers, those hold a ring of their window whatever the policy:
+        the global layers' capacity is the cache's.)
         """
-        if any(layer.evicts for layer in self.layers):
-            return None
-        return min(layer.spec.cache_length for layer in self.layers)
+        capacities = [layer.spec.cache_length for layer in self.layers if not layer.evicts]
+        return min(capacities) if capacities else None
 
     def check_model(self, model: torch.nn.Module) -> None:
         """Raise ValueError unless ``model`` has the layers, K/V heads, head size, dtype and device

@@ -90,8 +90,8 @@ def adaptive_head_budgets(
         raise ValueError(f"kernel must be a positive odd number, got {kernel}")
     T = input_ids.shape[1]
     window = min(window, T)
-    spec = CacheSpec.for_model(model, batch_size=1, cache_length=T)
-    probe = KVCache([_VoteRecorder(spec, window, kernel) for _ in range(model.config.num_layers)], spec, "dense")
+    specs = [CacheSpec.for_model(model, batch_size=1, cache_length=T, layer=i) for i in range(model.config.num_layers)]
+    probe = KVCache([_VoteRecorder(spec, window, kernel) for spec in specs], specs[0], "dense")
     model(input_ids, probe)
     budgets = []
     for layer in probe.layers:

@@ -379,6 +379,9 @@ def make_cache(
             if device is not None:
                 spec = dataclasses.replace(spec, device=device)
             heads = None if head_budgets is None else head_budgets[i]
+            if holds_window(spec, heads):
+                layers.append(window_layer(spec))
+                continue
             try:
                 layers.append(layer_cache(cls, spec, options, heads))
             except ValueError as e:
@@ -399,8 +402,26 @@ def make_cache(
                "lower cache_length (max_new_tokens, when it defaults to prompt + new tokens), batch_size, or use "
                "an evicting policy or a quantized storage")
     layers = build_layers(None, storage)
-    nominal = dataclasses.replace(layers[0].spec, cache_length=tokens)
+    # (A sliding layer's ring keeps no reserve nor blocks: the cache's own spec says what was asked.)
+    nominal = dataclasses.replace(layers[0].spec, cache_length=tokens, reserve=reserve, block=block)
     return KVCache(layers, nominal, policy)
+
+
+def holds_window(spec: CacheSpec, heads: list[int] | None = None) -> bool:
+    """Whether a layer of the model's own sliding window ``spec.sliding_window`` is given a ring of
+    that window instead of the policy: when its budget (every head's, with head budgets) covers
+    the window. Such a layer keeps exactly what the model attends, for any chunking, so a policy
+    acts only where the cache grows (the global layers). A budget below the window leaves the
+    layer to the policy, at that budget, with the window applied on top."""
+    window = spec.sliding_window
+    return window is not None and min(heads or [spec.cache_length]) >= window
+
+
+def window_layer(spec: CacheSpec) -> LayerCache:
+    """The ring of a sliding layer (``holds_window``): the window policy over ``sliding_window``
+    slots, whole tokens (no block rule), no reserve (a ring has nothing to batch)."""
+    ring = dataclasses.replace(spec, cache_length=spec.sliding_window, reserve=0, block=1)
+    return layer_cache(_lookup("window"), ring, {})
 
 
 def _check_reserve(cls: type[LayerCache], reserve: object, smallest: int) -> None:

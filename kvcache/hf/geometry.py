@@ -16,6 +16,7 @@ from types import SimpleNamespace
 
 import torch
 
+from ..config import LayerGeometry, RopeConfig
 from ..rope import rope_angles
 
 # Layer kinds (``config.layer_types``) whose attention kvcache computes: full causal attention,
@@ -81,10 +82,12 @@ def as_kvcache_model(g: Geometry, model: torch.nn.Module | None = None) -> Simpl
     budgets, allocation, head budgets and reserve are computed and checked as for kvcache's own
     model, by the same code; with ``model``, its layers' output projections (``self_attn.o_proj``,
     for policies that weigh values by them) where every decoder layer has one."""
+    layer = LayerGeometry(g.window, RopeConfig())  # (the rotary is read as frequencies, below)
     config = SimpleNamespace(num_layers=g.num_layers, num_kv_heads=g.num_kv_heads, head_dim=g.head_dim,
-                             sliding_window=g.window)
+                             sliding_window=g.window, layer=lambda i: layer)
     weight = torch.empty(0, dtype=g.dtype, device=g.device)
-    found = SimpleNamespace(config=config, embed_tokens=SimpleNamespace(weight=weight), inv_freq=g.inv_freq)
+    found = SimpleNamespace(config=config, embed_tokens=SimpleNamespace(weight=weight), inv_freq=g.inv_freq,
+                            rotary=lambda i: g.inv_freq)
     decoder = model.get_decoder() if model is not None and hasattr(model, "get_decoder") else None
     layers = getattr(decoder, "layers", None)
     if layers is not None and len(layers) == g.num_layers and all(
