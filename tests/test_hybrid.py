@@ -1,0 +1,174 @@
+"""Models that mix sliding-window and global layers (Gemma 3, Qwen2/Qwen3 with use_sliding_window):
+each layer's cache has its own geometry, a sliding layer holds a ring of its window (exact for any
+chunking), and a policy acts where the cache grows, on the global layers."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import kvcache
+from kvcache.compile import CompiledDecode
+from conftest import CACHE_ATOL, DEVICE, HF_ATOL, HYBRID, WINDOW, atol, max_diff, random_ids
+
+ATOL = CACHE_ATOL[torch.float32]
+T = 80  # past the window many times over: chunks of 1, 7 and 64 tokens all cross it
+SCORING = ["h2o", "sink", "snapkv", "tova"]
+
+
+def feed(model, ids, cache, chunk):
+    """Logits of ``ids`` (B, T) fed through ``cache`` ``chunk`` tokens at a time."""
+    return torch.cat([model(ids[:, i:i + chunk], cache) for i in range(0, ids.shape[1], chunk)], dim=1)
+
+
+def sliding(model) -> list[bool]:
+    return [layer.sliding for layer in model.config.layers]
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_the_family_has_both_kinds_of_layer(model_factory, family):
+    kinds = sliding(model_factory(family))
+    assert any(kinds) and not all(kinds)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64])
+@pytest.mark.parametrize("family", HYBRID)
+def test_chunked_prefill_equals_one_pass_and_transformers(checkpoint_factory, model_factory, family, chunk):
+    model = model_factory(family)
+    ids = random_ids(T, batch=2, seed=5)
+    with torch.inference_mode():
+        ref = checkpoint_factory(family).hf(ids).logits
+        full = model(ids)
+        cache = kvcache.make_cache(model, cache_length=T, batch_size=2)
+        chunked = feed(model, ids, cache, chunk)
+    assert ref.std() > 0.3
+    assert max_diff(full, ref) <= HF_ATOL[torch.float32]
+    assert max_diff(chunked, full) <= ATOL, f"{family}, chunks of {chunk}"
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_greedy_tokens_equal_transformers_generate(checkpoint_factory, model_factory, family):
+    model = model_factory(family)
+    ids = random_ids(12, batch=2, seed=6)
+    with torch.no_grad():
+        ref = checkpoint_factory(family).hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                                     max_new_tokens=32, eos_token_id=None, pad_token_id=0)
+    assert kvcache.generate(model, ids.tolist(), max_new_tokens=32, stop_tokens=()) == ref[:, 12:].tolist()
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_ragged_rows_equal_each_row_alone(model_factory, family):
+    model = model_factory(family)
+    rows = [random_ids(n, seed=40 + n)[0] for n in (30, 9, 21)]
+    schedule = [[11, 2, 0], [1, 0, 9], [7, 6, 12], [11, 1, 0]]
+    cache = kvcache.make_cache(model, cache_length=30, batch_size=3)
+    got = [[] for _ in rows]
+    done = [0, 0, 0]
+    with torch.inference_mode():
+        for n in schedule:
+            width = max(n)
+            ids = torch.zeros(3, width, dtype=torch.long, device=DEVICE)
+            for b, row in enumerate(rows):
+                ids[b, :n[b]] = row[done[b]:done[b] + n[b]]
+            logits = model(ids, cache, n_tokens=n)
+            for b in range(3):
+                got[b].append(logits[b, :n[b]])
+                done[b] += n[b]
+        for b, row in enumerate(rows):
+            assert max_diff(torch.cat(got[b]), model(row[None])[0]) <= ATOL, f"row {b}"
+
+
+def test_sliding_layers_hold_a_ring_of_their_window(model_factory):
+    model = model_factory("gemma3")
+    cache = kvcache.make_cache(model, cache_length=T)
+    for layer, is_sliding in zip(cache.layers, sliding(model)):
+        if is_sliding:
+            assert (layer.name, layer.spec.cache_length, layer.spec.sliding_window) == ("window", WINDOW, WINDOW)
+        else:
+            assert (layer.name, layer.spec.cache_length, layer.spec.sliding_window) == ("dense", T, None)
+    # The dense cache's capacity is its global layers': the rings never fill.
+    assert cache.max_tokens == T
+
+
+def test_sliding_layers_cost_their_window_only(model_factory):
+    """At 4096 tokens the tiny Gemma 3 (2 sliding layers of window 8, 1 global) holds a third of
+    an all-global cache, plus the rings."""
+    model = model_factory("gemma3")
+    all_global = kvcache.Transformer(dataclasses.replace(model.config, layer_types=("full_attention",) * 3))
+    all_global.to(DEVICE)
+    hybrid = kvcache.make_cache(model, cache_length=4096).nbytes()
+    full = kvcache.make_cache(all_global, cache_length=4096).nbytes()
+    per_layer = full / 3
+    assert per_layer < hybrid < per_layer * 1.01
+
+
+def test_a_dense_cache_rejects_a_row_past_its_global_capacity(model_factory):
+    model = model_factory("gemma3")
+    ids = random_ids(T + 1, seed=7)
+    cache = kvcache.make_cache(model, cache_length=T)
+    with torch.inference_mode():
+        model(ids[:, :T], cache)
+        with pytest.raises(kvcache.CapacityError):
+            model(ids[:, T:], cache)
+    assert cache.lengths.tolist() == [T]
+
+
+@pytest.mark.parametrize("policy", SCORING)
+def test_policies_act_on_the_global_layers(model_factory, policy):
+    model = model_factory("gemma3")
+    budget = 16
+    cache = kvcache.make_cache(model, policy, cache_length=budget)
+    names = [layer.name for layer in cache.layers]
+    assert names == ["window" if s else policy for s in sliding(model)]
+    assert cache.max_tokens is None  # every layer bounds itself
+    ids = random_ids(3 * T, seed=8)
+    with torch.inference_mode():
+        out = feed(model, ids, cache, 32)
+        held = [int((layer.storage.pos[0] >= 0).sum(-1).max()) for layer in cache.layers]
+    assert torch.isfinite(out).all()
+    assert held == [WINDOW if s else budget for s in sliding(model)]
+
+
+@pytest.mark.parametrize("policy", ["dense", *SCORING])
+def test_a_budget_covering_the_sequence_equals_the_plain_forward(model_factory, policy):
+    model = model_factory("gemma3")
+    ids = random_ids(T, batch=2, seed=9)
+    with torch.inference_mode():
+        full = model(ids)
+        cache = kvcache.make_cache(model, policy, cache_length=T, batch_size=2)
+        assert max_diff(feed(model, ids, cache, 7), full) <= ATOL
+
+
+def test_a_budget_below_the_window_leaves_sliding_layers_to_the_policy(model_factory):
+    """cache_length 4 < window 8: every layer runs the policy at 4 slots, sliding layers with their
+    window on top (a dense cache of 4 tokens holds fewer than any window)."""
+    model = model_factory("gemma3")
+    cache = kvcache.make_cache(model, "tova", cache_length=4)
+    assert [layer.name for layer in cache.layers] == ["tova"] * 3
+    assert [layer.spec.sliding_window for layer in cache.layers] == [WINDOW, WINDOW, None]
+    ids = random_ids(4, seed=10)
+    with torch.inference_mode():
+        dense = kvcache.make_cache(model, cache_length=4)
+        assert max_diff(model(ids, dense), model(ids)) <= ATOL
+
+
+@pytest.mark.parametrize("policy,options", [("dense", {}), ("h2o", {"recent": 2}), ("sink", {"sinks": 2})])
+def test_captured_decode_step_matches_eager(model_factory, policy, options):
+    model = model_factory("gemma3")
+    ids = random_ids(12 + 10, batch=2, seed=11)
+    C = 24 if policy == "dense" else 10
+    torch._dynamo.reset()
+
+    def run(capture: bool):
+        cache = kvcache.make_cache(model, policy, cache_length=C, batch_size=2, **options)
+        with torch.inference_mode():
+            model(ids[:, :12], cache, n_tokens=[12, 9])
+            step = CompiledDecode(model, cache, backend="aot_eager") if capture else (lambda t: model(t, cache)[:, -1])
+            return torch.stack([step(ids[:, 12 + i:13 + i]) for i in range(10)])
+
+    try:
+        assert max_diff(run(True), run(False)) <= atol("compiled")
+    finally:
+        torch._dynamo.reset()
