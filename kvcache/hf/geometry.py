@@ -1,12 +1,12 @@
 """What kvcache needs to know about a transformers model, read once, before anything is built.
 
-A kvcache cache is sized by the model's layer count, K/V heads, head size, dtype and device,
-applies the model's own sliding window on top of any policy, and gives policies that renumber
-positions or undo the rotation of queries (sink with ``positions="renumbered"``,
-expected_attention) the rotary frequencies. This module reads all of that from a
-``PreTrainedModel`` and refuses, with ``UnsupportedModelError`` naming the feature, a model whose
-attention kvcache's kernels cannot compute: logit softcapping, layers of different windows or
-of other kinds (linear attention, chunked attention, shared K/V).
+A kvcache cache is sized by the model's layer count, K/V heads, head size, dtype and device, holds
+each layer's own sliding window (``config.layer_types``: Gemma 3, Gemma 2 without softcapping,
+sliding-window Qwen), and gives policies that renumber positions or undo the rotation of queries
+(sink with ``positions="renumbered"``, expected_attention) each layer's rotary frequencies. This
+module reads all of that from a ``PreTrainedModel`` and refuses, with ``UnsupportedModelError``
+naming the feature, a model whose attention kvcache's kernels cannot compute: logit softcapping,
+layers of other kinds (linear attention, chunked attention, shared K/V).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ..config import LayerGeometry, RopeConfig
 from ..rope import rope_angles
 
 # Layer kinds (``config.layer_types``) whose attention kvcache computes: full causal attention,
-# and a sliding window over it (the same window in every layer).
+# and a sliding window over it.
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 # Rotary variants whose frequencies change with the sequence length after the model is built.
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
@@ -36,17 +36,17 @@ class Geometry:
 
     num_layers:   decoder layers, each with one attention module and one layer cache.
     num_kv_heads, head_dim: the shape of each layer's keys and values, (B, num_kv_heads, T, head_dim).
-    window:       the model's own sliding window, applied to every layer, or None.
-    inv_freq:     (head_dim // 2,) float32 rotary frequencies in the half-split layout kvcache
-                  rotates with (``kvcache.rope``), or None with ``rope_note`` saying why.
+    windows:      each layer's sliding window, None for global attention.
+    inv_freqs:    each layer's (head_dim // 2,) float32 rotary frequencies in the half-split layout
+                  kvcache rotates with (``kvcache.rope``), or None with ``rope_note`` saying why.
     dtype, device: those of the input embeddings, where the cache's buffers are allocated.
     """
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    window: int | None
-    inv_freq: torch.Tensor | None
+    windows: tuple[int | None, ...]
+    inv_freqs: tuple[torch.Tensor, ...] | None
     rope_note: str
     dtype: torch.dtype
     device: torch.device
@@ -71,51 +71,75 @@ def read(model: torch.nn.Module) -> Geometry:
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     weight = model.get_input_embeddings().weight
-    inv_freq, note = _rotary(model, head_dim)
-    return Geometry(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, window=_window(config, name),
-                    inv_freq=inv_freq, rope_note=note, dtype=weight.dtype, device=weight.device)
+    types = _layer_types(config, name)
+    inv_freqs, note = _rotaries(model, head_dim, types)
+    windows = tuple(None if t == "full_attention" else config.sliding_window for t in types)
+    return Geometry(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, windows=windows,
+                    inv_freqs=inv_freqs, rope_note=note, dtype=weight.dtype, device=weight.device)
 
 
 def as_kvcache_model(g: Geometry, model: torch.nn.Module | None = None) -> SimpleNamespace:
     """The attributes of a ``kvcache.Transformer`` that ``kvcache.make_cache`` reads to size a
-    cache (``config`` fields, the embedding weight's dtype and device, ``inv_freq``), so that
-    budgets, allocation, head budgets and reserve are computed and checked as for kvcache's own
-    model, by the same code; with ``model``, its layers' output projections (``self_attn.o_proj``,
-    for policies that weigh values by them) where every decoder layer has one."""
-    layer = LayerGeometry(g.window, RopeConfig())  # (the rotary is read as frequencies, below)
+    cache (``config`` fields and each layer's geometry, the embedding weight's dtype and device,
+    each layer's ``rotary``), so that budgets, allocation, head budgets and reserve are computed
+    and checked as for kvcache's own model, by the same code; with ``model``, its layers' output
+    projections (``self_attn.o_proj``, for policies that weigh values by them) where every decoder
+    layer has one."""
+    layers = [LayerGeometry(window, RopeConfig()) for window in g.windows]  # (rotaries: as frequencies)
     config = SimpleNamespace(num_layers=g.num_layers, num_kv_heads=g.num_kv_heads, head_dim=g.head_dim,
-                             sliding_window=g.window, layer=lambda i: layer)
+                             layer=layers.__getitem__)
     weight = torch.empty(0, dtype=g.dtype, device=g.device)
-    found = SimpleNamespace(config=config, embed_tokens=SimpleNamespace(weight=weight), inv_freq=g.inv_freq,
-                            rotary=lambda i: g.inv_freq)
+    found = SimpleNamespace(config=config, embed_tokens=SimpleNamespace(weight=weight),
+                            rotary=(lambda i: None) if g.inv_freqs is None else g.inv_freqs.__getitem__)
     decoder = model.get_decoder() if model is not None and hasattr(model, "get_decoder") else None
-    layers = getattr(decoder, "layers", None)
-    if layers is not None and len(layers) == g.num_layers and all(
-            isinstance(getattr(getattr(layer, "self_attn", None), "o_proj", None), torch.nn.Linear) for layer in layers):
-        found.layers = layers
+    decoder_layers = getattr(decoder, "layers", None)
+    if decoder_layers is not None and len(decoder_layers) == g.num_layers and all(
+            isinstance(getattr(getattr(layer, "self_attn", None), "o_proj", None), torch.nn.Linear)
+            for layer in decoder_layers):
+        found.layers = decoder_layers
     return found
 
 
-def _window(config, name: str) -> int | None:
-    """The sliding window every layer applies, or None. transformers 5 lists each layer's kind
-    in ``config.layer_types``; without it, ``config.sliding_window`` applies to every layer."""
-    window = getattr(config, "sliding_window", None)
+def _layer_types(config, name: str) -> tuple[str, ...]:
+    """Each layer's kind: ``config.layer_types`` (transformers 5), or every layer sliding when
+    ``config.sliding_window`` is set without it (Mistral), else every layer global."""
+    layers = config.num_hidden_layers
     types = getattr(config, "layer_types", None)
     if types is None:
-        return window
+        sliding = getattr(config, "sliding_window", None) is not None
+        return ("sliding_attention" if sliding else "full_attention",) * layers
     unknown = sorted(set(types) - set(SUPPORTED_LAYER_TYPES))
     if unknown:
         raise UnsupportedModelError(
             f"{name} has {', '.join(unknown)} layers (config.layer_types); kvcache.hf supports "
             f"{' and '.join(SUPPORTED_LAYER_TYPES)} layers"
         )
-    windows = {window if t == "sliding_attention" else None for t in types}
-    if len(windows) > 1:
-        raise UnsupportedModelError(
-            f"{name} mixes sliding-window (window {window}) and full-attention layers (config.layer_types); "
-            "kvcache.hf applies one model window to every layer"
-        )
-    return windows.pop()
+    return tuple(types)
+
+
+def _rotaries(model: torch.nn.Module, head_dim: int,
+              types: tuple[str, ...]) -> tuple[tuple[torch.Tensor, ...] | None, str]:
+    """Each layer's rotary frequencies if kvcache can rotate with them, else (None, why not).
+
+    Usable frequencies come from exactly one rotary module: one ``inv_freq`` buffer for every
+    layer, or (Gemma 3) one ``{layer type}_inv_freq`` per kind of layer, called with the kind."""
+    kinds = sorted(set(types))
+    per_kind = [m for m in model.modules()
+                if all(isinstance(getattr(m, f"{k}_inv_freq", None), torch.Tensor) for k in kinds)]
+    if len(per_kind) == 1:
+        rotary = per_kind[0]
+        found = {}
+        for kind in kinds:
+            rope_type = getattr(rotary, "rope_type", "default")
+            rope_type = rope_type.get(kind, "default") if isinstance(rope_type, dict) else rope_type
+            inv_freq, note = _checked(rotary, getattr(rotary, f"{kind}_inv_freq"), head_dim, rope_type,
+                                      float(getattr(rotary, f"{kind}_attention_scaling", 1.0)), kind)
+            if inv_freq is None:
+                return None, note
+            found[kind] = inv_freq
+        return tuple(found[t] for t in types), ""
+    inv_freq, note = _rotary(model, head_dim)
+    return (None, note) if inv_freq is None else ((inv_freq,) * len(types), "")
 
 
 def _rotary(model: torch.nn.Module, head_dim: int) -> tuple[torch.Tensor | None, str]:
@@ -130,19 +154,25 @@ def _rotary(model: torch.nn.Module, head_dim: int) -> tuple[torch.Tensor | None,
     if len(rotaries) != 1:
         return None, f"it has {len(rotaries)} rotary embedding modules, not one"
     rotary = rotaries[0]
-    inv_freq = rotary.inv_freq
+    return _checked(rotary, rotary.inv_freq, head_dim, getattr(rotary, "rope_type", "default"),
+                    float(getattr(rotary, "attention_scaling", 1.0)))
+
+
+def _checked(rotary: torch.nn.Module, inv_freq: torch.Tensor, head_dim: int, rope_type: str, scale: float,
+             *kind: str) -> tuple[torch.Tensor | None, str]:
+    """``inv_freq`` (a copy, float32) if it covers the whole head, does not change with the
+    sequence length, and reproduces the module's own cos/sin (``rotary(x, positions, *kind)``)
+    in kvcache's half-split layout, up to ``scale``; else (None, why not)."""
     if inv_freq.numel() != head_dim // 2:
         return None, f"its rotary embedding covers {2 * inv_freq.numel()} of {head_dim} head dimensions"
-    rope_type = getattr(rotary, "rope_type", "default")
     if rope_type in LENGTH_DEPENDENT_ROPE:
         return None, f"its rotary frequencies ({rope_type!r}) change with the sequence length"
     positions = torch.arange(8, device=inv_freq.device)[None]
     try:
         with torch.no_grad():
-            cos, sin = rotary(inv_freq.new_zeros(1), positions)
+            cos, sin = rotary(inv_freq.new_zeros(1), positions, *kind)
     except (TypeError, ValueError, RuntimeError) as e:
         return None, f"its rotary embedding could not be probed ({e})"
-    scale = float(getattr(rotary, "attention_scaling", 1.0))
     want_cos, want_sin = rope_angles(inv_freq.float(), positions, torch.float32)
     if cos.shape != want_cos.shape or not (torch.allclose(cos.float(), scale * want_cos, atol=1e-5)
                                            and torch.allclose(sin.float(), scale * want_sin, atol=1e-5)):

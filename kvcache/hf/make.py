@@ -46,7 +46,7 @@ def make_cache(
                           prompt_length=prompt_length, allocation=allocation, head_budgets=head_budgets,
                           reserve=reserve, **options)
     except ValueError as e:
-        if g.inv_freq is None and "inv_freq" in str(e):
+        if g.inv_freqs is None and "inv_freq" in str(e):
             raise UnsupportedModelError(f"{e}; {type(model).__name__} has none kvcache can use: {g.rope_note}") from None
         raise
     use_kvcache_attention(model)
