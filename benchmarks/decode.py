@@ -356,9 +356,9 @@ def compiled_transformers(hf, path: Path | None):
     weights (from ``path``) whose forward is compiled."""
     if model_device(hf).type != "cpu":
         return hf
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    copy = LlamaForCausalLM.from_pretrained(path, dtype=hf.dtype, attn_implementation="sdpa").eval()
+    copy = AutoModelForCausalLM.from_pretrained(path, dtype=hf.dtype, attn_implementation="sdpa").eval()
     copy.generation_config.eos_token_id = None
     copy.generation_config.bos_token_id = None
     copy.generation_config.pad_token_id = 0
@@ -790,7 +790,8 @@ def run(args, error, on_cell=None, models: dict | None = None) -> dict:
                     models.clear()
                     forget_compiled()
                     free_memory(device)
-                log(f"building random Llama {key} ({str(dtype).removeprefix('torch.')} on {device})")
+                what = key if key in KNOWN_MODELS else f"random Llama {key}"
+                log(f"building {what} ({str(dtype).removeprefix('torch.')} on {device})")
                 hf, kv = build_models(key, Path(tmp), device, dtype)
             if device.type == "cpu":
                 args.path_of[key] = Path(tmp) / key

@@ -36,6 +36,7 @@ import torch
 
 from .cache.base import KVCache
 from .cache.policies.kvzip import KVzipCache
+from .cache.registry import sliding_layers
 from .generate import decode_loop, greedy
 
 REPEAT_PROMPT = "\n\nRepeat the previous context exactly."
@@ -57,8 +58,15 @@ def _rows(ids: object, what: str, device: torch.device) -> torch.Tensor:
     return t.long()
 
 
+def _scored(cache: KVCache) -> list[KVzipCache]:
+    """The layers the pass scores: every one but the rings of a model's sliding layers, which
+    hold their window through it (``holds_window``)."""
+    return [layer for i, layer in enumerate(cache.layers) if i not in sliding_layers(cache)]
+
+
 def _check_cache(cache: KVCache, rows: int) -> None:
-    bad = [i for i, layer in enumerate(cache.layers) if not isinstance(layer, KVzipCache)]
+    rings = sliding_layers(cache)
+    bad = [i for i, layer in enumerate(cache.layers) if not isinstance(layer, KVzipCache) and i not in rings]
     if bad:
         raise ValueError(f"kvzip's reconstruction pass needs a kvzip cache in every layer (layer {bad[0]} is "
                          f"{type(cache.layers[bad[0]]).__name__}): kvcache.make_cache(model, 'kvzip', ...) "
@@ -87,7 +95,7 @@ def prefill(model, cache: KVCache, context: object, *, repeat: Sequence[int], ch
     for a in range(0, n, step):
         part = ids[:, a : a + step]
         m = part.shape[1]
-        if all(int(layer.held.max()) + m <= layer.spec.cache_length for layer in cache.layers):
+        if all(int(layer.held.max()) + m <= layer.spec.cache_length for layer in _scored(cache)):
             logits = model(part, cache, last_only=True)[:, 0]
             continue
         logits = _reconstruct(model, cache, part, rep, ids[:, max(0, a - overlap) : a])
@@ -166,8 +174,13 @@ def take(cache: KVCache, scored: KVCache) -> None:
     cache.reset()
     device = cache.spec.device
     step = cache.begin(torch.zeros(scored.batch_size, int(n[0]), dtype=torch.long, device=device), None)
-    for layer, source in zip(cache.layers, scored.layers):
-        layer.keep_best(source, step)
+    rings = sliding_layers(cache)
+    for i, (layer, source) in enumerate(zip(cache.layers, scored.layers)):
+        if i in rings:
+            # A sliding layer's ring holds the context's last window, whatever the budget.
+            layer.load_state(source.state(), torch.arange(cache.batch_size, device=device))
+        else:
+            layer.keep_best(source, step)
     cache.commit(step)
 
 

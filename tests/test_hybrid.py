@@ -172,3 +172,34 @@ def test_captured_decode_step_matches_eager(model_factory, policy, options):
         assert max_diff(run(True), run(False)) <= atol("compiled")
     finally:
         torch._dynamo.reset()
+
+
+REPEAT = [5, 9, 17, 33]
+
+
+def test_kvzip_reconstructs_through_the_rings_of_sliding_layers(model_factory):
+    """kvzip's pass scores the global layers; a sliding layer's ring attends the reconstruction
+    and ends holding the context's last window, as an ordinary prefill of the context leaves it."""
+    from kvcache import kvzip
+
+    model = model_factory("gemma3")
+    n = 40
+    ctx, rest = random_ids(n, batch=2, seed=12), random_ids(3, batch=2, seed=13)
+    rings = [i for i, s in enumerate(sliding(model)) if s]
+    with torch.inference_mode():
+        compressed = kvcache.make_cache(model, "kvzip", cache_length=20, reserve=4, batch_size=2)
+        kvzip.prefill(model, compressed, ctx, repeat=REPEAT, chunk=None)
+        dense = kvcache.make_cache(model, cache_length=n + 3, batch_size=2)
+        model(ctx, dense)
+        for i in rings:
+            assert torch.equal(compressed.layers[i].storage.pos, dense.layers[i].storage.pos), f"layer {i}"
+            # (The same keys, computed in a longer call: matmul shapes differ.)
+            assert max_diff(compressed.layers[i].storage.k, dense.layers[i].storage.k) <= ATOL, f"layer {i}"
+        # One scored pass fills a cache of a smaller budget as its own pass would.
+        scored = kvcache.make_cache(model, "kvzip", cache_length=n, batch_size=2)
+        kvzip.score(model, scored, ctx, repeat=REPEAT)
+        taken = kvcache.make_cache(model, "kvzip", cache_length=20, reserve=4, batch_size=2)
+        kvzip.take(taken, scored)
+        for a, b in zip(taken.layers, compressed.layers):
+            assert all(torch.equal(a.state()[name], b.state()[name]) for name in a.state())
+        assert torch.equal(model(rest, taken), model(rest, compressed))

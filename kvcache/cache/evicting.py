@@ -395,6 +395,13 @@ class EvictingCache(LayerCache):
         return self.storage.nbytes() + self._stat_buffer.numel() * self._stat_buffer.element_size()
 
 
+def check_context(context: object) -> None:
+    """Raise ValueError unless ``context`` is None or a positive number of tokens: the context
+    part of a reconstruction call (kvcache.kvzip's pass; ``record``)."""
+    if context is not None and (isinstance(context, bool) or not isinstance(context, int) or context <= 0):
+        raise ValueError(f"context must be a positive number of tokens, got {context!r}")
+
+
 def require_room(spec: CacheSpec, what: str, n: int, purpose: str = "") -> None:
     """Raise ValueError unless ``n`` always-kept tokens (``what``, e.g. "recent + sinks") leave
     room in what an overflowing row keeps (``cache_length - reserve``)."""

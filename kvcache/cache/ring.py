@@ -15,7 +15,7 @@ from .. import attention
 from ..quant.packed import after
 from .base import Step
 from .candidates import Candidates
-from .evicting import PROTECTED, EvictingCache
+from .evicting import PROTECTED, EvictingCache, check_context
 
 
 class RingCache(EvictingCache):
@@ -23,6 +23,15 @@ class RingCache(EvictingCache):
 
     # The ring keeps the newest tokens and is always full: batched eviction has nothing to batch.
     supports_reserve = False
+    # Tokens of the current call that are context, the rest a reconstruction attended and then
+    # dropped (kvcache.kvzip's pass, through the rings of a model's sliding layers); None: ordinary.
+    _context: int | None = None
+
+    def record(self, context: int | None) -> None:
+        """Make the next calls reconstruction calls whose first ``context`` tokens alone are
+        stored (``kvcache.kvzip`` does this around its pass); None makes calls ordinary again."""
+        check_context(context)
+        self._context = context
 
     @property
     def chunking_invariant(self) -> bool:
@@ -58,7 +67,13 @@ class RingCache(EvictingCache):
             return super()._keep(c, stored)
         C, step = self.spec.cache_length, c.step
         new_k, new_v = after(c.stored_keys, stored), after(c.stored_values, stored)
-        keep = step.valid & self._survives(step.positions, step.newest[:, None])
+        if self._context is None:
+            keep = step.valid & self._survives(step.positions, step.newest[:, None])
+        else:
+            # A reconstruction call: the ring ends as after its context alone.
+            m = self._context
+            context = torch.arange(step.num_tokens, device=step.positions.device) < m
+            keep = step.valid & context & self._survives(step.positions, step.positions[:, m - 1 : m])
         # new_k, new_v are the chunk as attended (read back from its codes by a quantized storage,
         # whose encoding of a read-back value gives the same codes).
         # Tokens that do not survive go to the scratch slot, so one scatter writes the chunk.

@@ -36,7 +36,7 @@ from ...errors import KVCacheWarning
 from ...kernels.visibility import visibility
 from ..base import CacheSpec, Step
 from ..candidates import Candidates
-from ..evicting import PROTECTED, EvictingCache, require_room
+from ..evicting import PROTECTED, EvictingCache, check_context, require_room
 from ..options import option
 
 # Below every reconstruction score (a softmax weight, in [0, 1]): tokens no pass has scored.
@@ -78,8 +78,7 @@ class KVzipCache(EvictingCache):
     def record(self, context: int | None) -> None:
         """Make the next calls reconstruction calls whose first ``context`` tokens are context
         (``kvcache.kvzip`` does this around its pass); None makes calls ordinary again."""
-        if context is not None and (isinstance(context, bool) or not isinstance(context, int) or context <= 0):
-            raise ValueError(f"context must be a positive number of tokens, got {context!r}")
+        check_context(context)
         self._context = context
 
     def check(self, step: Step) -> None:
