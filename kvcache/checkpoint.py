@@ -151,7 +151,7 @@ def load(
         tensors = _read_tensors(_weight_files(path))
     _check_config_against_weights(cfg, tensors, path)
     # Checkpoint names are the module names with a leading "model." (lm_head has none).
-    state = {name.removeprefix("model."): t for name, t in tensors.items()}
+    state = _split_fused(cfg, {name.removeprefix("model."): t for name, t in tensors.items()}, path)
 
     try:
         with torch.device("meta"):
@@ -172,8 +172,8 @@ def load(
                 f"but config.json implies {tuple(ref.shape)}"
             )
     unexpected = sorted(
-        n for n in tensors
-        if n.removeprefix("model.") not in expected and not n.endswith(_IGNORED_SUFFIXES)
+        n for n in state
+        if n not in expected and not n.endswith(_IGNORED_SUFFIXES)
         and not (cfg.tie_word_embeddings and n == "lm_head.weight")
     )
     if unexpected:
@@ -191,6 +191,34 @@ def load(
     if weights == "int4":
         int4_linear.quantize_model(model)
     return model.eval()
+
+
+# Fused projections (Phi-3) -> kvcache's separate ones, in the order their rows are stacked.
+_FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def _split_fused(cfg: ModelConfig, state: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
+    """``state`` with each fused projection (``qkv_proj``: the query rows, then the key rows,
+    then the value rows; ``gate_up_proj``: the gate rows, then the up rows) split into the
+    projections kvcache's model has."""
+    D = cfg.head_dim
+    rows = {"self_attn.qkv_proj": [cfg.num_heads * D, cfg.num_kv_heads * D, cfg.num_kv_heads * D],
+            "mlp.gate_up_proj": [cfg.intermediate_size] * 2}
+    out = {}
+    for name, t in state.items():
+        module, _, kind = name.rpartition(".")
+        fused = next((f for f in _FUSED if module.endswith(f)), None)
+        if fused is None:
+            out[name] = t
+            continue
+        if t.shape[0] != sum(rows[fused]):
+            raise CheckpointError(f"tensor {name!r} in {path} has {t.shape[0]} rows, but config.json implies "
+                                  f"{' + '.join(map(str, rows[fused]))}")
+        base = module.removesuffix(fused)
+        for part, piece in zip(_FUSED[fused], t.split(rows[fused])):
+            out[f"{base}{part}.{kind}"] = piece
+    return out
 
 
 @dataclass

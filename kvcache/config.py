@@ -23,6 +23,8 @@ FAMILIES: dict[str, dict[str, object]] = {
     "qwen2": {},
     "qwen3": {"qk_norm": True},
     "gemma3_text": {"qk_norm": True, "norm": "gemma", "block": "sandwich", "scale_embeddings": True},
+    # Llama's parts; its checkpoints fuse the query/key/value and gate/up projections (checkpoint.py).
+    "phi3": {},
 }
 
 ROPE_TYPES = ("default", "linear", "llama3")
@@ -235,6 +237,10 @@ def _rope_from_hf(hf: dict[str, Any], params: dict[str, Any]) -> RopeConfig:
     params = {**scaling, **params}
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor")) or 1.0
+    if partial != 1.0:
+        raise CheckpointError(f"config.json rotates part of each head (partial_rotary_factor={partial}); kvcache's "
+                              "model rotates whole heads")
     kwargs: dict[str, Any] = {"theta": theta, "rope_type": rope_type}
     if rope_type in ("linear", "llama3"):
         kwargs["factor"] = params["factor"]

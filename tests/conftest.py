@@ -113,7 +113,7 @@ def pytest_report_header(config):
 # the last tests of another worker's queue: with the long ones first, a run ends on short tests
 # instead of one worker waiting for a long test that started last, and a long module runs from its
 # start on one worker, so its module fixtures are set up once.
-LONGEST_FIRST = ["eval/test_ray_sweep.py", "test_smollm2.py", "test_train_shard.py", "test_compile.py",
+LONGEST_FIRST = ["eval/test_ray_sweep.py", "test_gemma3_270m.py", "test_smollm2.py", "test_train_shard.py", "test_compile.py",
                  "test_memory.py", "test_prefix_crash.py", "cache/test_state_machine.py", "cache/test_h2o.py"]
 
 
@@ -236,7 +236,7 @@ WINDOW = 8
 
 
 def _config(name: str):
-    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
 
     if name == "llama":
         return LlamaConfig(**_COMMON, tie_word_embeddings=False)
@@ -275,14 +275,17 @@ def _config(name: str):
     if name == "qwen3_window":
         return Qwen3Config(**{**_COMMON, "num_hidden_layers": 3}, use_sliding_window=True, sliding_window=WINDOW,
                            max_window_layers=2, tie_word_embeddings=True)
+    if name == "phi3":
+        # Fused query/key/value and gate/up projections in the checkpoint.
+        return Phi3Config(**_COMMON, tie_word_embeddings=False)
     if name == "llama_long":
         # One layer, for the 16k-token memory test.
         return LlamaConfig(**{**_COMMON, "num_hidden_layers": 1, "max_position_embeddings": 32768})
     raise KeyError(name)
 
 
-FAMILIES = ["llama", "llama_llama3", "llama_linear", "qwen2", "qwen3", "mistral", "mistral_window", "gemma3",
-            "qwen2_window", "qwen3_window"]
+FAMILIES = ["llama", "llama_llama3", "llama_linear", "qwen2", "qwen3", "mistral", "mistral_window", "phi3",
+            "gemma3", "qwen2_window", "qwen3_window"]
 # Families whose layers are not all alike: sliding layers among global ones.
 HYBRID = ["gemma3", "qwen2_window", "qwen3_window"]
 TIED = {"llama_llama3", "qwen2", "gemma3", "qwen3_window"}
@@ -382,6 +385,32 @@ def random_ids(n: int, batch: int = 1, seed: int = 0, low: int = 3, device: torc
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
+
+
+@pytest.fixture(scope="module")
+def one_parse_of_each_gguf_file():
+    """gguf's reader parses a file's metadata (a vocabulary of 49k to 262k tokens) in Python, seconds
+    each time: transformers parses it three times (the model's config, its weights, the
+    tokenizer) and kvcache twice (model, tokenizer). In a module that uses this fixture every
+    reading of a file shares one read-only parse (a write through it would raise), and gguf's
+    tensor-name map, which transformers rebuilds for every module of the model, is built once.
+    What each library makes of the parsed fields and tensors is its own, as without the sharing."""
+    import functools
+
+    gguf = pytest.importorskip("gguf")
+    parsed: dict[tuple[str, str], object] = {}
+    reader_class = gguf.GGUFReader
+
+    def reader(path, mode="r"):
+        key = (str(Path(path).resolve()), mode)
+        if key not in parsed:
+            parsed[key] = reader_class(path, mode)
+        return parsed[key]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", reader)
+        patch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map))
+        yield
 
 
 # --- evaluation (tests/eval): the bundled tokenizer, a real BPE, so that RULER's lengths are

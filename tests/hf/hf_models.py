@@ -18,14 +18,12 @@ from conftest import DEVICE, FAMILIES, HIDDEN, VOCAB, _COMMON, build_hf_model
 
 # Families kvcache does not implement, whose attention goes through transformers' interface.
 # granite scales its scores by attention_multiplier, not 1/sqrt(head_dim).
-OTHER_FAMILIES = ["phi3", "gemma", "granite", "olmo2"]
+OTHER_FAMILIES = ["gemma", "granite", "olmo2"]
 
 
 def _other_config(name: str):
     import transformers
 
-    if name == "phi3":
-        return transformers.Phi3Config(**_COMMON, tie_word_embeddings=False)
     if name == "phi3_partial":
         # Rotary over half of each head: frequencies kvcache cannot rotate with.
         rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}

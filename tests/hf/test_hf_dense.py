@@ -21,7 +21,7 @@ ATOL = CACHE_ATOL[torch.float32]
 NEW = 64
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "mistral", "mistral_window", *OTHER_FAMILIES, "phi3_partial",
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "mistral", "mistral_window", "phi3", *OTHER_FAMILIES, "phi3_partial",
                                   *HYBRID, "gemma2_nocap"])
 def test_generate_equals_dynamic_cache(name):
     ids = random_ids(16, seed=1)
