@@ -203,3 +203,30 @@ def test_kvzip_reconstructs_through_the_rings_of_sliding_layers(model_factory):
         for a, b in zip(taken.layers, compressed.layers):
             assert all(torch.equal(a.state()[name], b.state()[name]) for name in a.state())
         assert torch.equal(model(rest, taken), model(rest, compressed))
+
+
+@pytest.mark.parametrize("policy", ["dense", "h2o"])
+def test_a_stored_prefix_is_reused_bitwise_in_aligned_mode(model_factory, policy):
+    """The prefix store keeps whole-row snapshots of a hybrid cache (its rings cannot be cut at
+    any boundary): reusing one gives the logits and cache of a run without the store, bit for bit."""
+    from kvcache.prefill import prefill
+    from kvcache.prefix import PrefixStore
+
+    model = model_factory("gemma3")
+    prefix = random_ids(40, seed=14)[0].tolist()
+    prompts = [prefix + random_ids(n, seed=15 + n)[0].tolist() for n in (5, 11)]
+
+    def run(store):
+        cache = kvcache.make_cache(model, policy, cache_length=64 if policy == "dense" else 20, batch_size=2)
+        with torch.inference_mode():
+            return prefill(model, cache, prompts, chunk=16, store=store, aligned=True), cache
+
+    store = PrefixStore(model)
+    with torch.inference_mode():
+        prefill(model, kvcache.make_cache(model, policy, cache_length=64 if policy == "dense" else 20),
+                [prefix + [7]], chunk=16, store=store, aligned=True)
+    assert store.reusable(prompts[0]) == 32
+    (want, ref), (got, reused) = run(None), run(store)
+    assert torch.equal(want, got)
+    a, b = ref.snapshot().tensors(), reused.snapshot().tensors()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
