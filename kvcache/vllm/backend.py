@@ -27,7 +27,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadata,
     CPUAttentionMetadataBuilder,
 )
-from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec
+from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, SlidingWindowSpec
 
 from .config import ROTARY, ConfigError, PluginConfig, parse
 from .state import BATCH, ENGINE
@@ -134,9 +134,13 @@ class KVCacheCPUBackend(CPUAttentionBackend):
         config = ENGINE.config
         if config is None:
             return spec
+        if type(spec) is SlidingWindowSpec:
+            # A sliding layer of a hybrid model (Gemma 3, sliding-window Qwen): vLLM's own
+            # sliding-window manager frees what its window passes; the policy bounds the others.
+            return spec
         if type(spec) is not FullAttentionSpec or spec.sliding_window is not None or spec.attention_chunk_size:
             raise ConfigError(f"kvcache vLLM plugin: layers of kind {type(spec).__name__} (sliding window "
-                              f"{spec.sliding_window}) are not supported; full attention only")
+                              f"{spec.sliding_window}) are not supported; full and sliding-window attention only")
         return KVCacheAttentionSpec.of(spec, config, ENGINE.in_flight_tokens)
 
     @staticmethod

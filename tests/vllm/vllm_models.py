@@ -35,18 +35,25 @@ POLICIES = {
 
 
 def build(name: str, path: Path) -> Path:
-    """Save a tiny random ``name`` ("llama", "qwen2" or "qwen3") model into ``path``: fp32, two
-    layers, 4 query and 2 K/V heads of size 32; queries and keys scaled up so that attention is
+    """Save a tiny random ``name`` ("llama", "qwen2", "qwen3" or "gemma3") model into ``path``:
+    fp32, two layers (Gemma 3: three, the middle one global), 4 query and 2 K/V heads of size 32; queries and keys scaled up so that attention is
     peaked and what a policy evicts shows in the tokens."""
     import transformers
 
     common = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                   rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    # Gemma 3: two sliding layers of window 32 (one vLLM block) around a global one, three layers.
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1e6}}
     configs = {
         "llama": lambda: transformers.LlamaConfig(**common),
         "qwen2": lambda: transformers.Qwen2Config(**common),
         "qwen3": lambda: transformers.Qwen3Config(**common, head_dim=32),
+        "gemma3": lambda: transformers.Gemma3TextConfig(
+            **{**common, "num_hidden_layers": 3}, head_dim=32, query_pre_attn_scalar=32,
+            sliding_window=32, rope_parameters=rope,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
     }
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(configs[name](), dtype=torch.float32)
@@ -54,11 +61,14 @@ def build(name: str, path: Path) -> Path:
     with torch.no_grad():
         for pname, p in model.named_parameters():
             if pname.endswith("norm.weight"):
-                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+                # Gemma's norms scale by (1 + w): its weights are offsets from one.
+                p.copy_((0.0 if name == "gemma3" else 1.0) + 0.3 * torch.randn(p.shape, generator=gen))
             elif pname.endswith("bias"):
                 p.copy_(0.3 * torch.randn(p.shape, generator=gen))
             elif "embed_tokens" in pname:
-                p.copy_(torch.randn(p.shape, generator=gen))
+                # Gemma multiplies them by sqrt(hidden): inputs of order one.
+                scale = 128**-0.5 if name == "gemma3" else 1.0
+                p.copy_(scale * torch.randn(p.shape, generator=gen))
             else:
                 scale = 2.0 if pname.endswith(("q_proj.weight", "k_proj.weight")) else 1.0
                 p.copy_(scale * torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
