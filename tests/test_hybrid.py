@@ -230,3 +230,49 @@ def test_a_stored_prefix_is_reused_bitwise_in_aligned_mode(model_factory, policy
     assert torch.equal(want, got)
     a, b = ref.snapshot().tensors(), reused.snapshot().tensors()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("family", HYBRID)
+def test_chunked_loss_through_the_rings_equals_full_backprop(model_factory, family):
+    """Fine-tuning's chunked loss over a dense cache whose sliding layers are rings: the loss and
+    every gradient of a full-sequence backward (chunks crossing the window)."""
+    from train_util import gradients, plain_loss, relative_errors
+
+    model = model_factory(family)
+    ids = random_ids(40, batch=2, seed=16)
+    want_loss, want = gradients(model, lambda: plain_loss(model, ids))
+    got_loss, got = gradients(model, lambda: kvcache.chunked_loss(model, ids, chunk=[7, 13, 20]))
+    assert abs(got_loss - want_loss) <= 1e-5 * abs(want_loss)
+    assert max(relative_errors(got, want).values()) <= 1e-5
+
+
+@pytest.mark.parametrize("policy", ["h2o", "sink", "tova"])
+def test_chunked_loss_under_a_policy_matches_the_masked_reference(model_factory, policy):
+    """A bounded cache on the global layers and rings on the sliding ones: the gradient of the
+    full forward under the masks of what each layer kept (train_util.reference_loss)."""
+    from kvcache.cache.registry import budget_options
+    from train_util import gradients, record_held, reference_loss, relative_errors
+
+    model = model_factory("gemma3")
+    ids = random_ids(36, batch=2, seed=17)
+    sizes, C = [9, 9, 18], 12
+    options = budget_options(policy, C)
+    cache, held = record_held(model, ids, policy, C, sizes, **options)
+    assert [layer.name for layer in cache.layers] == ["window" if s else policy for s in sliding(model)]
+    want_loss, want = gradients(model, lambda: reference_loss(model, ids, cache, held, sizes))
+    got_loss, got = gradients(model, lambda: kvcache.chunked_loss(model, ids, policy=policy, cache_length=C,
+                                                                  chunk=sizes, **options))
+    assert abs(got_loss - want_loss) <= 1e-5 * abs(want_loss)
+    assert max(relative_errors(got, want).values()) <= 1e-5
+
+
+def test_pyramid_budgets_and_head_budgets_leave_the_rings_alone(model_factory):
+    model = model_factory("gemma3")
+    ids = random_ids(48, seed=18)
+    pyramid = kvcache.make_cache(model, "h2o", cache_length=16, allocation="pyramid")
+    budgets = kvcache.adaptive_head_budgets(model, ids, cache_length=16)
+    headwise = kvcache.make_cache(model, "snapkv", cache_length=16, head_budgets=budgets)
+    for cache in (pyramid, headwise):
+        assert [layer.spec.cache_length == WINDOW for layer in cache.layers[:2]] == [True, True]
+        with torch.inference_mode():
+            assert torch.isfinite(feed(model, ids, cache, 16)).all()
