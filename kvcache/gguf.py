@@ -299,7 +299,7 @@ def _tokenizer(fields: _Fields, path: Path):
     tokens = list(fields.need("tokenizer.ggml.tokens"))
     types = list(fields.get("tokenizer.ggml.token_type") or [])
     if kind == "gpt2":
-        backend, kept = _byte_level(fields, tokens)
+        backend, kept = _byte_level(fields, tokens, path)
     elif kind == "llama" and arch in SENTENCEPIECE_BY_ORDER:
         backend, kept = _sentencepiece(fields, tokens), (lambda token: True)
     else:
@@ -329,7 +329,7 @@ def _tokenizer(fields: _Fields, path: Path):
     return backend, config
 
 
-def _byte_level(fields: _Fields, tokens: list[str]):
+def _byte_level(fields: _Fields, tokens: list[str], path: Path):
     """Byte-level BPE (GPT-2's, Llama 3's, Qwen's): the backend, and which tokens are spelled in
     the byte alphabet."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -339,7 +339,13 @@ def _byte_level(fields: _Fields, tokens: list[str]):
     letters = set(alphabet.values())
     # Tokens are stored in the byte-level alphabet; one that is not is spelled in it from its UTF-8.
     spelled = [t if set(t) <= letters else "".join(alphabet[b] for b in t.encode("utf-8")) for t in tokens]
-    backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(spelled)}, merges=merges, fuse_unk=False))
+    vocab = {t: i for i, t in enumerate(spelled)}
+    # (tokenizers aborts the process, not with an exception, on a merge outside the vocabulary.)
+    bad = next((m for m in merges if len(m) != 2 or m[0] not in vocab or m[1] not in vocab or m[0] + m[1] not in vocab),
+               None)
+    if bad is not None:
+        raise CheckpointError(f"{path} has the merge {' '.join(bad)!r}, whose tokens are not all in its vocabulary")
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
     split = SPLITS.get(fields.get("tokenizer.ggml.pre"))
     if split is None:
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # GPT-2's split

@@ -201,7 +201,7 @@ def test_an_unsupported_architecture_type_or_tokenizer_is_named(tmp_path):
         writer.add_token_list(["a", "b"])
         writer.add_token_merges(["a b"])
         qtype = gguf.GGMLQuantizationType[tensor_type]
-        data = np.zeros((2, 32), dtype=np.float32)
+        data = np.zeros((2, 32 if tensor_type == "F32" else 256), dtype=np.float32)  # (K-quant blocks: 256)
         writer.add_tensor("token_embd.weight", data if tensor_type == "F32" else gguf.quants.quantize(data, qtype),
                           raw_dtype=None if tensor_type == "F32" else qtype)
         writer.write_header_to_file()
@@ -212,7 +212,10 @@ def test_an_unsupported_architecture_type_or_tokenizer_is_named(tmp_path):
 
     with pytest.raises(CheckpointError, match="'falcon' model"):
         kvcache.load(write("a.gguf", "falcon", "F32", "gpt2"))
-    with pytest.raises(CheckpointError, match="type Q5_0"):
-        kvcache.load(write("b.gguf", "llama", "Q5_0", "gpt2"))
+    with pytest.raises(CheckpointError, match="type TQ1_0"):
+        kvcache.load(write("b.gguf", "llama", "TQ1_0", "gpt2"))
+    # A merge whose result is no token (tokenizers would abort the process on it).
+    with pytest.raises(CheckpointError, match="merge 'a b'"):
+        kvcache.load_tokenizer(write("d.gguf", "llama", "F32", "gpt2"))
     with pytest.raises(CheckpointError, match="'llama' tokenizer"):
         kvcache.load_tokenizer(write("c.gguf", "llama", "F32", "llama"))
