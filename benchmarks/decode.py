@@ -213,7 +213,6 @@ def kvcache_sharing(hf) -> kvcache.Transformer:
     """kvcache's model over the tensors of the transformers model ``hf`` (no copy but the head's, on
     the CPU: kvcache.load lays it out hidden-major there): the names are the checkpoint's, less the
     leading ``model.``."""
-    from kvcache.checkpoint import hidden_major_head
     from kvcache.config import ModelConfig
 
     cfg = ModelConfig.from_hf(hf.config.to_dict())
@@ -222,7 +221,7 @@ def kvcache_sharing(hf) -> kvcache.Transformer:
     state = {name.removeprefix("model."): t for name, t in hf.state_dict().items()}
     kv.load_state_dict({name: state[name] for name in kv.state_dict()}, strict=True, assign=True)
     if model_device(hf).type == "cpu":
-        hidden_major_head(kv)  # as kvcache.load lays the head out on the CPU (a copy of it, here)
+        kv.lay_out_head(hidden_major=True)  # as kvcache.load lays the head out on the CPU (a copy of it, here)
     kv.reset_rope()
     return kv.eval()
 

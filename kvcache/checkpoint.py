@@ -188,25 +188,11 @@ def load(
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     if device.type == "cpu":
-        hidden_major_head(model)
+        model.lay_out_head(hidden_major=True)
     model.reset_rope()
     if weights == "int4":
         int4_linear.quantize_model(model)
     return model.eval()
-
-
-def hidden_major_head(model: Transformer) -> None:
-    """Lay the head's (vocab, hidden) weight out hidden-major in memory (the same tensor, as a
-    transposed view of a (hidden, vocab) buffer), and the tied embedding with it. On the CPU,
-    torch's matrix-vector product reads a large head laid out so at about twice the bandwidth
-    of the row-major one (Gemma 3's 262,144 x 640: 49 against 96 ms a token on one thread),
-    and a decode step of a model with a large vocabulary is mostly that product. An embedding
-    lookup then reads each row with a stride, once per token."""
-    head = model.lm_head.weight
-    moved = torch.nn.Parameter(head.detach().t().contiguous().t(), requires_grad=head.requires_grad)
-    model.lm_head.weight = moved
-    if model.config.tie_word_embeddings:
-        model.embed_tokens.weight = moved
 
 
 # Fused projections (Phi-3) -> kvcache's separate ones, in the order their rows are stacked.

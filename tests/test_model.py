@@ -279,3 +279,19 @@ def test_warns_once_past_max_positions_with_cache(short_context):
             for _ in range(3):
                 short_context(random_ids(1, batch=2), cache)
     assert _position_warnings(record) == []
+
+
+def test_the_head_layout_changes_no_result(model_factory):
+    """kvcache.load keeps the head hidden-major on the CPU (a faster matrix-vector product there);
+    laid out row-major the model gives the same logits, within float32's reordering of a sum."""
+    model = model_factory("qwen2")  # tied: the embedding moves with the head
+    ids = random_ids(9, batch=2, seed=4)
+    with torch.no_grad():
+        before = model(ids)
+        model.lay_out_head(hidden_major=False)
+        try:
+            assert model.lm_head.weight.is_contiguous() and model.embed_tokens.weight is model.lm_head.weight
+            assert max_diff(model(ids), before) <= atol("same")
+        finally:
+            model.lay_out_head(hidden_major=DEVICE.type == "cpu")
+    assert model.lm_head.weight.t().is_contiguous() == (DEVICE.type == "cpu")

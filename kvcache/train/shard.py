@@ -95,6 +95,7 @@ def shard(model: torch.nn.Module, how: str) -> torch.nn.Module:
     # is available, which would move a CPU model (gloo ranks) there and give rank N device N.
     device = next(step.parameters()).device
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    step.transformer.lay_out_head(hidden_major=False)  # FSDP2 shards row-major parameters only
     for block in step.transformer.layers:
         fully_shard(block, mesh=mesh)
     # The root holds the embeddings, the final norm and the output head, which every chunk uses.
