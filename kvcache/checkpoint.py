@@ -148,7 +148,7 @@ def load(
         cfg, tensors = ModelConfig.from_hf(checkpoint.config), checkpoint.tensors
     else:
         cfg = ModelConfig.from_json(path / "config.json")
-        tensors = _read_tensors(_weight_files(path))
+        tensors = _language_model(_read_tensors(_weight_files(path)))
     _check_config_against_weights(cfg, tensors, path)
     # Checkpoint names are the module names with a leading "model." (lm_head has none).
     state = _split_fused(cfg, {name.removeprefix("model."): t for name, t in tensors.items()}, path)
@@ -193,6 +193,28 @@ def load(
     if weights == "int4":
         int4_linear.quantize_model(model)
     return model.eval()
+
+
+# A multimodal checkpoint (Gemma 3's ConditionalGeneration) keeps its language model under one of
+# these prefixes (the hub's files, and transformers' own names), beside the parts that read
+# images, which kvcache does not run: prefix -> the text-only checkpoint's.
+_LANGUAGE_MODEL = {"language_model.model.": "model.", "language_model.lm_head.": "lm_head.",
+                   "model.language_model.": "model."}
+_OTHER_MODALITIES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+
+def _language_model(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` as a text-only checkpoint names them: a multimodal checkpoint's language model
+    and head, without its image tower and projector."""
+    if not any(name.startswith(tuple(_LANGUAGE_MODEL)) for name in tensors):
+        return tensors
+    renamed = {}
+    for name, t in tensors.items():
+        if name.startswith(_OTHER_MODALITIES):
+            continue
+        prefix = next((p for p in _LANGUAGE_MODEL if name.startswith(p)), "")
+        renamed[_LANGUAGE_MODEL.get(prefix, "") + name.removeprefix(prefix)] = t
+    return renamed
 
 
 # Fused projections (Phi-3) -> kvcache's separate ones, in the order their rows are stacked.

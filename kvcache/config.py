@@ -27,6 +27,9 @@ FAMILIES: dict[str, dict[str, object]] = {
     "phi3": {},
 }
 
+# model_type of an image-and-text checkpoint -> that of its language model, which kvcache runs.
+MULTIMODAL = {"gemma3": "gemma3_text"}
+
 ROPE_TYPES = ("default", "linear", "llama3")
 # A layer's attention kind, as transformers' ``config.layer_types`` names it.
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -148,6 +151,11 @@ class ModelConfig:
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         """Build from a Hugging Face ``config.json`` dictionary (transformers 4.x or 5.x layout)."""
         model_type = hf.get("model_type")
+        if model_type in MULTIMODAL and isinstance(hf.get("text_config"), dict):
+            # The language model of an image-and-text checkpoint (checkpoint.py drops the image
+            # tower); what the outer config sets of the text model's ids and head wins.
+            outer = {k: hf[k] for k in ("tie_word_embeddings", "bos_token_id", "eos_token_id") if hf.get(k) is not None}
+            return cls.from_hf({**hf["text_config"], **outer, "model_type": MULTIMODAL[model_type]})
         if model_type not in FAMILIES:
             raise CheckpointError(
                 f"unsupported model_type {model_type!r}; supported families: {', '.join(sorted(FAMILIES))}"

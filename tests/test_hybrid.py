@@ -276,3 +276,33 @@ def test_pyramid_budgets_and_head_budgets_leave_the_rings_alone(model_factory):
         assert [layer.spec.cache_length == WINDOW for layer in cache.layers[:2]] == [True, True]
         with torch.inference_mode():
             assert torch.isfinite(feed(model, ids, cache, 16)).all()
+
+
+def test_the_language_model_of_a_gemma3_image_and_text_checkpoint_loads(tmp_path):
+    """Gemma3ForConditionalGeneration: its text model's config and weights (under
+    model.language_model), without the image tower, give transformers' logits on text."""
+    import transformers
+
+    text = transformers.Gemma3TextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14)
+    torch.manual_seed(19)
+    hf = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+        text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4)).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.copy_(0.3 * torch.randn(p.shape))
+    hf.save_pretrained(tmp_path)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no tensor left over: the image tower is left out by name
+        model = kvcache.load(tmp_path, device=DEVICE)
+    assert model.config.model_type == "gemma3_text" and sliding(model) == [True, True, False]
+    ids = random_ids(20, seed=20)
+    with torch.no_grad():
+        assert max_diff(model(ids), hf.to(DEVICE)(input_ids=ids).logits) <= HF_ATOL[torch.float32]
