@@ -342,20 +342,8 @@ def make_cache(
     tokens = resolve_budget(cache_length, prompt_length)
     cfg = model.config
     check_storage(storage, cfg.head_dim)  # bits and group sizes, before any buffer is allocated
-    if not cls.evicts and (head_budgets is not None or allocation != "uniform"):
-        raise ValueError(
-            f"the {policy_name} policy keeps every token, so its cache_length is a capacity, not a budget "
-            "to spread: allocation and head_budgets apply to evicting policies"
-        )
-    if head_budgets is not None:
-        head_budgets = [[int(b) for b in layer] for layer in head_budgets]
-        if len(head_budgets) != cfg.num_layers:
-            raise ValueError(f"head_budgets needs one list per layer ({cfg.num_layers}), got {len(head_budgets)}")
-        budgets = [max(1, round(sum(layer) / cfg.num_kv_heads)) for layer in head_budgets]
-        sizes = [b for layer in head_budgets for b in layer]
-    else:
-        budgets = layer_budgets(tokens, cfg.num_layers, allocation)
-        sizes = budgets
+    budgets, head_budgets = _budgets(cls, tokens, cfg, allocation, head_budgets)
+    sizes = budgets if head_budgets is None else [b for layer in head_budgets for b in layer]
     _check_reserve(cls, reserve, min(sizes, default=0))
     check_block(block, policy_name, cls.evicts, min(sizes, default=0) - reserve)
 
@@ -388,23 +376,47 @@ def make_cache(
                 raise ValueError(f"{e}{where(i, budget)}") from None
         return layers
 
-    # The same layers on the meta device first: every check, and the bytes, with nothing allocated.
-    need = sum(layer.nbytes() for layer in build_layers(torch.device("meta")))
+    rows = f"{batch_size} row{'s' if batch_size != 1 else ''}"
+    storage = _storage_that_fits(build_layers, storage, model.embed_tokens.weight.device,
+                                 f"a {policy} cache of {tokens} slots x {cfg.num_layers} layers x {rows}")
+    layers = build_layers(None, storage)
+    # (A sliding layer's ring keeps no reserve nor blocks: the cache's own spec says what was asked.)
+    nominal = dataclasses.replace(layers[0].spec, cache_length=tokens, reserve=reserve, block=block)
+    return KVCache(layers, nominal, policy)
+
+
+def _budgets(cls: type[LayerCache], tokens: int, cfg, allocation: str | Sequence[int],
+             head_budgets: Sequence[Sequence[int]] | None) -> tuple[list[int], list[list[int]] | None]:
+    """(each layer's budget, each layer's head budgets as ints or None) for ``tokens`` per layer
+    spread by ``allocation``, or from ``head_budgets`` (a layer's budget: its heads' mean)."""
+    if not cls.evicts and (head_budgets is not None or allocation != "uniform"):
+        raise ValueError(
+            f"the {cls.name} policy keeps every token, so its cache_length is a capacity, not a budget "
+            "to spread: allocation and head_budgets apply to evicting policies"
+        )
+    if head_budgets is None:
+        return layer_budgets(tokens, cfg.num_layers, allocation), None
+    head_budgets = [[int(b) for b in layer] for layer in head_budgets]
+    if len(head_budgets) != cfg.num_layers:
+        raise ValueError(f"head_budgets needs one list per layer ({cfg.num_layers}), got {len(head_budgets)}")
+    return [max(1, round(sum(layer) / cfg.num_kv_heads)) for layer in head_budgets], head_budgets
+
+
+def _storage_that_fits(build_layers, storage: str, device: torch.device, what: str) -> str:
+    """The storage to allocate ``what`` in: ``storage``, or full precision where its codes would
+    take more bytes (``falls_back``); ``MemoryBudgetError`` if the bytes do not fit ``device``.
+    ``build_layers(device, storage)``: the cache's layers, here on the meta device, where every
+    check runs and the bytes are summed with nothing allocated."""
+    need = sum(layer.nbytes() for layer in build_layers(torch.device("meta"), storage))
     if falls_back(storage):
         # Codes with their scales (and KIVI's full-precision residual) take more bytes than full
         # precision on a small cache: then the cache holds full precision, exact and smaller.
         full = sum(layer.nbytes() for layer in build_layers(torch.device("meta"), "full"))
         if full < need:
             storage, need = "full", full
-    device = model.embed_tokens.weight.device
-    rows = f"{batch_size} row{'s' if batch_size != 1 else ''}"
-    check_fits(need, device, f"a {policy} cache of {tokens} slots x {cfg.num_layers} layers x {rows}",
-               "lower cache_length (max_new_tokens, when it defaults to prompt + new tokens), batch_size, or use "
-               "an evicting policy or a quantized storage")
-    layers = build_layers(None, storage)
-    # (A sliding layer's ring keeps no reserve nor blocks: the cache's own spec says what was asked.)
-    nominal = dataclasses.replace(layers[0].spec, cache_length=tokens, reserve=reserve, block=block)
-    return KVCache(layers, nominal, policy)
+    check_fits(need, device, what, "lower cache_length (max_new_tokens, when it defaults to prompt + new tokens), "
+               "batch_size, or use an evicting policy or a quantized storage")
+    return storage
 
 
 def holds_window(spec: CacheSpec, heads: list[int] | None = None) -> bool:
