@@ -52,6 +52,22 @@ def _k_quant_blocks(shape: tuple[int, ...], kind: str, rng: np.random.Generator)
     return blocks.reshape(rows, -1)
 
 
+def _writer(path: Path, arch: str, cfg, rope_theta: float):
+    """A GGUF writer of ``arch`` with the shape metadata of transformers config ``cfg``."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(float(rope_theta))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    return writer
+
+
 def write_gguf(path: Path, model, tokenizer_dir: Path, *, arch: str = "llama", types=("F32",),
                chat_template: str | None = None, seed: int = 0) -> list[str]:
     """Write transformers ``model``'s config and weights, and ``tokenizer_dir``'s tokenizer.json,
@@ -60,15 +76,7 @@ def write_gguf(path: Path, model, tokenizer_dir: Path, *, arch: str = "llama", t
     import gguf
 
     cfg = model.config
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer = _writer(path, arch, cfg, cfg.rope_parameters["rope_theta"])
     writer.add_vocab_size(cfg.vocab_size)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     if head_dim != cfg.hidden_size // cfg.num_attention_heads:
@@ -147,20 +155,10 @@ def sentencepiece_vocab(pieces: list[str]) -> tuple[list[str], list[int]]:
 def write_gemma3_gguf(path: Path, model, tokens: list[str], types: list[int]) -> None:
     """Write the transformers Gemma 3 ``model`` (float32 weights) with the vocabulary ``tokens``
     as a GGUF file, as llama.cpp's converter writes one."""
-    import gguf
-
     cfg = model.config
-    writer = gguf.GGUFWriter(str(path), "gemma3")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer = _writer(path, "gemma3", cfg, cfg.rope_parameters["full_attention"]["rope_theta"])
     writer.add_key_length(cfg.head_dim)
     writer.add_value_length(cfg.head_dim)
-    writer.add_rope_freq_base(float(cfg.rope_parameters["full_attention"]["rope_theta"]))
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_sliding_window(cfg.sliding_window)
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("default")

@@ -104,6 +104,25 @@ def greedy(model, ids: torch.Tensor, n: int, cache=None, **kwargs):
     return out.sequences, torch.stack(out.logits, dim=1)
 
 
+def feed_both(hf, native, ours, theirs, ids: torch.Tensor, schedule: list[int], label: str) -> int:
+    """Feed ``ids`` in calls of ``schedule`` tokens to the transformers model ``hf`` through its
+    kvcache.hf cache ``ours`` and to kvcache's ``native`` model through ``theirs``: after every
+    call the logits agree within HF_ATOL and every layer holds the same positions. Returns the
+    tokens fed."""
+    from conftest import HF_ATOL, max_diff
+
+    start = 0
+    with torch.no_grad():
+        for n in schedule:
+            chunk = ids[:, start:start + n]
+            start += n
+            got = hf(input_ids=chunk, **cache_kwargs(ours)).logits
+            assert max_diff(got, native(chunk, theirs)) <= HF_ATOL[torch.float32], f"{label}, after {start} tokens"
+            for i, (a, b) in enumerate(zip(ours.kv.layers, theirs.layers)):
+                assert torch.equal(a.storage.pos, b.storage.pos), f"{label}, layer {i}, after {start} tokens"
+    return start
+
+
 def left_pad(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Token rows of different lengths as (ids, attention_mask), both (B, longest) on the test device,
     padded on the left."""

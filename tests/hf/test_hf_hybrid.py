@@ -9,9 +9,8 @@ import torch
 
 import kvcache
 import kvcache.hf
-from kvcache.hf import cache_kwargs
-from conftest import DEVICE, HF_ATOL, WINDOW, max_diff, random_ids
-from hf_models import make
+from conftest import DEVICE, WINDOW, random_ids
+from hf_models import feed_both, make
 
 SCHEDULE = [12, 9, 9] + [1] * 10  # a 30-token prompt in chunks, then decode steps
 BUDGET = 12
@@ -34,16 +33,7 @@ def test_policy_on_the_global_layers_equals_kvcache_model(models, policy):
     theirs = kvcache.make_cache(native, policy, cache_length=C, **kvcache.cache.budget_options(policy, C))
     sliding = [layer.sliding for layer in native.config.layers]
     assert [layer.spec.cache_length for layer in ours.kv.layers] == [WINDOW if s else C for s in sliding]
-    ids = random_ids(sum(SCHEDULE), seed=22)
-    start = 0
-    with torch.no_grad():
-        for n in SCHEDULE:
-            chunk = ids[:, start:start + n]
-            start += n
-            got = hf(input_ids=chunk, **cache_kwargs(ours)).logits
-            assert max_diff(got, native(chunk, theirs)) <= HF_ATOL[torch.float32], f"{policy}, after {start} tokens"
-            for i, (a, b) in enumerate(zip(ours.kv.layers, theirs.layers)):
-                assert torch.equal(a.storage.pos, b.storage.pos), f"{policy}, layer {i}, after {start} tokens"
+    feed_both(hf, native, ours, theirs, random_ids(sum(SCHEDULE), seed=22), SCHEDULE, policy)
 
 
 def test_each_kind_of_layer_rotates_with_its_own_frequencies(models):

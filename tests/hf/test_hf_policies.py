@@ -16,9 +16,8 @@ import torch
 
 import kvcache
 import kvcache.hf
-from kvcache.hf import cache_kwargs
-from conftest import DEVICE, CACHE_ATOL, HF_ATOL, max_diff, random_ids
-from hf_models import greedy, left_pad, make
+from conftest import DEVICE, CACHE_ATOL, max_diff, random_ids
+from hf_models import feed_both, greedy, left_pad, make
 
 POLICIES = sorted(kvcache.policies())
 # Storage composes with every policy; one quantized variant of each kind of eviction.
@@ -52,17 +51,7 @@ def test_policy_equals_kvcache_model(models, policy):
     C = _budget(policy)
     ours = make(hf, policy, C)
     theirs = kvcache.make_cache(native, policy, cache_length=C, **_options(policy, C))
-    ids = random_ids(sum(SCHEDULE), seed=20)
-    start = 0
-    with torch.no_grad():
-        for n in SCHEDULE:
-            chunk = ids[:, start:start + n]
-            start += n
-            got = hf(input_ids=chunk, **cache_kwargs(ours)).logits
-            want = native(chunk, theirs)
-            assert max_diff(got, want) <= HF_ATOL[torch.float32], f"{policy}, after {start} tokens"
-            for i, (a, b) in enumerate(zip(ours.kv.layers, theirs.layers)):
-                assert torch.equal(a.storage.pos, b.storage.pos), f"{policy}, layer {i}, after {start} tokens"
+    start = feed_both(hf, native, ours, theirs, random_ids(sum(SCHEDULE), seed=20), SCHEDULE, policy)
     assert ours.get_seq_length() == start == int(ours.lengths[0])
 
 
