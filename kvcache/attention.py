@@ -15,6 +15,8 @@ Paths:
     ``masked_with_weights``  the same, with explicit softmax weights, reporting the attention each
                  key received (for policies that score tokens by it).
     ``decode``   one query per row with explicit weights (scoring policies, renumbered sinks).
+A family's own scores rule (``parts.scores.Scores``: Gemma 2's soft-capping, gpt-oss's learned
+sink logits), passed as ``scores``, sends every path to the explicit softmax, which applies it.
 Packed keys and values (a quantized storage's ``view``) go to ``kernels``, which attends over the
 codes block by block with the same arguments and results; nothing here decodes them.
 Decode never uses ``is_causal=True``: SDPA aligns that mask top-left, so a one-token query would
@@ -28,6 +30,10 @@ import torch
 from . import kernels
 from .kernels.sdpa import sdpa
 from .kernels.visibility import visibility
+from .parts.scores import Scores
+
+# Plain softmax attention: no soft-capping, no sink logits.
+PLAIN = Scores()
 
 # Largest number of queries whose (query x key) mask and scores are materialised at once.
 QUERY_BLOCK = 1024
@@ -43,6 +49,7 @@ def causal(
     sinks: int = 0,
     limit: int | None = None,
     q_sink: torch.Tensor | None = None,
+    scores: Scores | None = None,
 ) -> torch.Tensor:
     """Causal self-attention over one span: query t and key t are both at position t.
 
@@ -55,9 +62,14 @@ def causal(
     Those queries see every earlier key, so they take the fused causal kernel with no mask. The
     later ones go in blocks of ``BAND_BLOCK`` queries, each over the keys it can see at all (the
     sinks and the band from its first query's reach to its last query), with a mask built from
-    positions: O(T x (window + BAND_BLOCK)) work rather than O(T x T).
+    positions: O(T x (window + BAND_BLOCK)) work rather than O(T x T). With ``scores`` every
+    query takes the explicit softmax of ``masked_with_weights``.
     """
     B, Hq, T, D = q.shape
+    if scores is not None:
+        pos = torch.arange(T, device=q.device).expand(B, T)
+        return masked_with_weights(q, k, v, pos, pos[:, None], pos.new_zeros(B, T, dtype=torch.float32), window=window,
+                                   sinks=sinks, limit=limit, q_sink=q_sink, in_order=True, scores=scores)[0]
     if kernels.is_packed(k):
         pos = torch.arange(T, device=q.device).expand(B, T)
         return kernels.attend(q, k, v, pos, pos[:, None], window=window, sinks=sinks, limit=limit, q_sink=q_sink)[0]
@@ -100,13 +112,18 @@ def masked(
     sinks: int = 0,
     limit: int | None = None,
     all_visible: bool = False,
+    scores: Scores | None = None,
 ) -> torch.Tensor:
     """Attention of queries at ``q_pos`` over key slots at ``k_pos`` (see ``visibility``).
 
     q: (B, Hq, T, D); k, v: (B, Hkv, S, D); q_pos: (B, T); k_pos: (B, Hp, S) -> (B, Hq, T, D).
     ``all_visible`` promises every key is visible to every query (a decode step over a dense,
-    uniformly filled cache), which skips building the mask.
+    uniformly filled cache), which skips building the mask. ``scores``: see the module notes.
     """
+    if scores is not None:
+        weight = q_pos.new_zeros(q_pos.shape, dtype=torch.float32)
+        return masked_with_weights(q, k, v, q_pos, k_pos, weight, window=window, sinks=sinks, limit=limit,
+                                   scores=scores)[0]
     if kernels.is_packed(k):
         return kernels.attend(q, k, v, q_pos, k_pos, window=window, sinks=sinks, limit=limit, all_visible=all_visible)[0]
     B, Hq, T, D = q.shape
@@ -152,6 +169,7 @@ def masked_with_weights(
     q_sink: torch.Tensor | None = None,
     outputs: bool = True,
     in_order: bool = False,
+    scores: Scores | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """``masked`` attention that also reports how much attention each key received.
 
@@ -167,9 +185,12 @@ def masked_with_weights(
     ``in_order`` promises that key slot s holds position s and query t is at position t (a
     prompt alone in an empty cache): a block of queries then reads only the slots up to its
     last query, as no later one is visible to it (about half the work of a long prompt).
+    ``scores`` is the family's rule (soft-capping, sink logits; None: plain softmax); with sink
+    logits the mass a query gives the keys sums to less than one.
     The softmax weights exist only for ``QUERY_BLOCK`` queries at a time.
     """
     if kernels.is_packed(k):
+        _refuse_packed(scores)
         out, mass, seen = kernels.attend(q, k, v, q_pos, k_pos, window=window, sinks=sinks, limit=limit,
                                          q_weight=q_weight, q_sink=q_sink)
         return (out if outputs else None), mass, seen
@@ -177,6 +198,7 @@ def masked_with_weights(
     Hkv, S = k.shape[1], k.shape[2]
     G = Hq // Hkv
     scale = D**-0.5
+    rule = PLAIN if scores is None else scores
     out = torch.empty_like(q) if outputs else None
     mass = torch.zeros(B, Hkv, S, dtype=torch.float32, device=q.device)
     seen = torch.zeros(B, k_pos.shape[1], S, dtype=torch.float32, device=q.device)
@@ -192,17 +214,14 @@ def masked_with_weights(
         R = min(stop, S) if in_order else S
         kp, kb = k_pos[..., :R], kt[..., :R]
         vis = visibility(q_pos[:, start:stop], kp, window, sinks, limit)  # (B, Hp, n, R)
-        scores = q[:, :, start:stop].reshape(B, Hkv, G * n, D) @ kb  # (B, Hkv, G*n, R)
+        logits = q[:, :, start:stop].reshape(B, Hkv, G * n, D) @ kb  # (B, Hkv, G*n, R)
         if q_sink is not None:
             sink_scores = q_sink[:, :, start:stop].reshape(B, Hkv, G * n, D) @ kb
-            scores = torch.where((kp < sinks).unsqueeze(2), sink_scores, scores)
-        scores = scores.view(B, Hkv, G, n, R).float()
-        # A large finite fill (not -inf) keeps rows with no visible key (padding) free of NaN.
-        # Such a row's weights are uniform, not zero; only padding has one (a real query sees
-        # itself), and padding weighs 0 in the totals and its output is never read.
-        # In place: the scores are a fresh product (or cast) that nothing else holds.
-        scores = scores.masked_fill_(~vis.unsqueeze(2), torch.finfo(torch.float32).min)
-        weights = scores.softmax(-1)
+            logits = torch.where((kp < sinks).unsqueeze(2), sink_scores, logits)
+        # Rows with no visible key (padding) get uniform or zero weights, never NaN; only padding
+        # has one (a real query sees itself), and padding weighs 0 in the totals and its output
+        # is never read. The logits are a fresh product (or cast) that the softmax may overwrite.
+        weights = rule.softmax(logits.view(B, Hkv, G, n, R).float(), ~vis.unsqueeze(2))
         if outputs:
             ob = weights.to(v.dtype).view(B, Hkv, G * n, R) @ v[:, :, :R]
             out[:, :, start:stop] = ob.view(B, Hq, n, D)
@@ -224,6 +243,7 @@ def decode(
     sink_slots: int = 0,
     want_mass: bool = False,
     outputs: bool = True,
+    scores: Scores | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """One query per row against S key slots.
 
@@ -232,9 +252,11 @@ def decode(
     ``q_sink`` (B, Hq, 1, D), if given, scores the first ``sink_slots`` slots instead of q
     (renumbered attention sinks; fused path only). Returns out (B, Hq, 1, D) and, with
     ``want_mass``, the attention each slot received summed over the G query heads of its group:
-    (B, Hkv, S) float32, from explicit softmax weights.
+    (B, Hkv, S) float32, from explicit softmax weights. ``scores`` (the family's rule) takes the
+    explicit path too.
     """
     if kernels.is_packed(k):
+        _refuse_packed(scores)
         out, mass = kernels.decode(q, k, v, visible, q_sink=q_sink, sink_slots=sink_slots, want_mass=want_mass)
         return (out if outputs else None), mass
     if not (outputs or want_mass):
@@ -243,20 +265,24 @@ def decode(
     Hkv = k.shape[1]
     G = Hq // Hkv
     qh = q.reshape(B, Hkv, G, D)
-    if not want_mass:
+    if not want_mass and scores is None:
         # reshape, not view: CUDA's kernels return (B, Hkv, G, D) laid out as (B, G, Hkv, D).
         return _decode_fused(qh, k, v, visible, q_sink, sink_slots).reshape(B, Hq, 1, D), None
-    if q_sink is not None:
+    if q_sink is not None and scores is None:
         raise ValueError("decode: q_sink (renumbered sinks) is not supported together with want_mass")
     # Three-dimensional bmm over (B * Hkv) groups: the 4-d matmul costs a few extra dispatches per
     # call, which is a visible share of a decode step of a small model. k, v are slot views whose
     # (B, Hkv) dimensions merge without a copy. The scale goes on the query, not the S scores.
     S = k.shape[2]
-    q3, k3 = qh.reshape(B * Hkv, G, D) * D**-0.5, k.reshape(B * Hkv, S, D)
-    scores = torch.bmm(q3, k3.transpose(1, 2)).view(B, Hkv, G, S).float()
-    if visible is not None:
-        scores = scores.masked_fill(~visible.unsqueeze(2), float("-inf"))
-    weights = scores.softmax(-1)
+    k3 = k.reshape(B * Hkv, S, D)
+    logits = torch.bmm(qh.reshape(B * Hkv, G, D) * D**-0.5, k3.transpose(1, 2))
+    if q_sink is not None and sink_slots:
+        # Renumbered sinks: the first slots scored by the queries rotated to their new positions.
+        q3 = q_sink.reshape(B * Hkv, G, D) * D**-0.5
+        logits[..., :sink_slots] = torch.bmm(q3, k3[:, :sink_slots].transpose(1, 2))
+    hidden = None if visible is None else ~visible[:, :, None, None, :]  # (B, Hp, 1, 1, S)
+    weights = (PLAIN if scores is None else scores).softmax(logits.view(B, Hkv, G, 1, S).float(), hidden)
+    weights = weights.view(B, Hkv, G, S)
     if not outputs:
         return None, weights.sum(2)
     out = torch.bmm(weights.to(v.dtype).view(B * Hkv, G, S), v.reshape(B * Hkv, S, D))
@@ -275,6 +301,14 @@ def sink_bias(q: torch.Tensor, q_sink: torch.Tensor, k: torch.Tensor, cols: slic
     bias = q.new_zeros(B, Hq, n, k.shape[2])
     bias[..., cols] = delta.view(B, Hq, n, -1) * D**-0.5
     return bias
+
+
+def _refuse_packed(scores: Scores | None) -> None:
+    """The packed kernels apply no scores rule; caches of such models keep full-precision storage
+    (the registry refuses the others), so this is a caller's mistake."""
+    if scores is not None:
+        raise ValueError("attention over packed (quantized) keys does not implement soft-capping or sink logits; "
+                         "use storage='full' for this model")
 
 
 def _decode_fused(qh, k, v, visible, q_sink, sink_slots) -> torch.Tensor:

@@ -9,6 +9,7 @@ sliding with its window, and its rotary) is ``ModelConfig.layer(i)``.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
@@ -23,6 +24,10 @@ FAMILIES: dict[str, dict[str, object]] = {
     "qwen2": {},
     "qwen3": {"qk_norm": True},
     "gemma3_text": {"qk_norm": True, "norm": "gemma", "block": "sandwich", "scale_embeddings": True},
+    # Gemma 3's parts less QK-norm; soft-capped attention and final logits (from config.json).
+    "gemma2": {"norm": "gemma", "block": "sandwich", "scale_embeddings": True},
+    # A learned sink logit per query head, and a mixture of experts for the MLP.
+    "gpt_oss": {"sink_logits": True, "mlp": "experts"},
     # Llama's parts; its checkpoints fuse the query/key/value and gate/up projections (checkpoint.py).
     "phi3": {},
 }
@@ -30,7 +35,7 @@ FAMILIES: dict[str, dict[str, object]] = {
 # model_type of an image-and-text checkpoint -> that of its language model, which kvcache runs.
 MULTIMODAL = {"gemma3": "gemma3_text"}
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # A layer's attention kind, as transformers' ``config.layer_types`` names it.
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # RMSNorm forms: "rms" scales by w after casting back (Llama); "gemma" by (1 + w) in float32.
@@ -40,6 +45,9 @@ NORMS = ("rms", "gemma")
 BLOCKS = ("pre_norm", "sandwich")
 # The gated MLP's activation, by transformers' names.
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# MLP kinds: "gated" (down(act(gate(x)) * up(x))); "experts" (gpt-oss's routed mixture of clamped
+# SwiGLU experts, parts/experts.py).
+MLPS = ("gated", "experts")
 
 
 @dataclass(frozen=True)
@@ -52,10 +60,29 @@ class RopeConfig:
     # llama3 only
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
+    # llama3 and yarn
     original_max_position_embeddings: int = 8192
+    # yarn only: the band of rotations between extrapolation (beta_fast) and interpolation
+    # (beta_slow), whether its edges are rounded to whole dimensions, and the factor on cos and
+    # sin (None: 0.1 ln(factor) + 1).
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
 
     def __post_init__(self) -> None:
         _validate(self, _ROPE_RULES)
+
+    @property
+    def magnitude(self) -> float:
+        """The factor on cos and sin, so on each of a query and a key: YaRN's attention factor,
+        1 for the other rotaries. kvcache rotates with unit cos and sin and puts the square on
+        the attention scale, so that a rotation of a stored key stays a rotation."""
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return self.attention_factor
+        return 1.0 if self.factor <= 1 else 0.1 * math.log(self.factor) + 1.0
 
 
 @dataclass(frozen=True)
@@ -109,6 +136,18 @@ class ModelConfig:
     scale_embeddings: bool = False
     # Attention scores are scaled by query_pre_attn_scalar ** -0.5 (Gemma); None: head_dim ** -0.5.
     query_pre_attn_scalar: float | None = None
+    # Soft-capping (Gemma 2): attention scores s -> c tanh(s / c) with c = attn_softcap, and the
+    # output logits likewise with final_softcap; None: no cap.
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    # A learned logit per query head joins every softmax as a column with no value (gpt-oss).
+    sink_logits: bool = False
+    mlp: str = "gated"
+    # "experts" only: experts per layer, experts per token, and the SwiGLU's slope and clamp.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
     model_type: str = "llama"
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -124,6 +163,9 @@ class ModelConfig:
                              f"{self.num_layers}")
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise ValueError("layer_types has sliding_attention layers but sliding_window is null")
+        if self.mlp == "experts" and not 0 < self.experts_per_token <= self.num_experts:
+            raise ValueError(f"a mixture of experts routes each token to 1 to num_local_experts experts; got "
+                             f"num_experts_per_tok={self.experts_per_token} with num_local_experts={self.num_experts}")
 
     @property
     def group_size(self) -> int:
@@ -185,6 +227,12 @@ class ModelConfig:
                 layer_types=_layer_types_from_hf(hf),
                 activation=hf.get("hidden_activation") or hf.get("hidden_act") or "silu",
                 query_pre_attn_scalar=hf.get("query_pre_attn_scalar"),
+                attn_softcap=hf.get("attn_logit_softcapping"),
+                final_softcap=hf.get("final_logit_softcapping"),
+                num_experts=hf.get("num_local_experts") or 0,
+                experts_per_token=hf.get("num_experts_per_tok") or 0,
+                swiglu_alpha=hf.get("swiglu_alpha", 1.702),
+                swiglu_limit=hf.get("swiglu_limit", 7.0),
                 **FAMILIES[model_type],
                 model_type=model_type,
                 bos_token_id=hf.get("bos_token_id"),
@@ -250,11 +298,20 @@ def _rope_from_hf(hf: dict[str, Any], params: dict[str, Any]) -> RopeConfig:
         raise CheckpointError(f"config.json rotates part of each head (partial_rotary_factor={partial}); kvcache's "
                               "model rotates whole heads")
     kwargs: dict[str, Any] = {"theta": theta, "rope_type": rope_type}
-    if rope_type in ("linear", "llama3"):
+    if rope_type in ("linear", "llama3", "yarn"):
         kwargs["factor"] = params["factor"]
     if rope_type == "llama3":
         for name in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
             kwargs[name] = params[name]
+    if rope_type == "yarn":
+        if params.get("mscale") or params.get("mscale_all_dim"):
+            raise CheckpointError("config.json's yarn rotary sets mscale / mscale_all_dim, which kvcache does not "
+                                  "implement")
+        kwargs["original_max_position_embeddings"] = params["original_max_position_embeddings"]
+        for name in ("beta_fast", "beta_slow", "attention_factor"):
+            if params.get(name) is not None:
+                kwargs[name] = params[name]
+        kwargs["truncate"] = params.get("truncate", True)
     return RopeConfig(**kwargs)
 
 
@@ -317,6 +374,10 @@ JSON_KEYS = {
     "o_bias": "attention_bias",
     "theta": "rope_theta",
     "activation": "hidden_act",
+    "attn_softcap": "attn_logit_softcapping",
+    "final_softcap": "final_logit_softcapping",
+    "num_experts": "num_local_experts",
+    "experts_per_token": "num_experts_per_tok",
 }
 
 
@@ -361,11 +422,18 @@ _MODEL_RULES: dict[str, Rule] = {
     "block": (f"one of {', '.join(BLOCKS)}", lambda v: v in BLOCKS),
     "activation": (f"one of {', '.join(ACTIVATIONS)}", lambda v: v in ACTIVATIONS),
     "query_pre_attn_scalar": _POSITIVE_OR_NULL,
+    "attn_softcap": _POSITIVE_OR_NULL,
+    "final_softcap": _POSITIVE_OR_NULL,
+    "mlp": (f"one of {', '.join(MLPS)}", lambda v: v in MLPS),
+    "num_experts": ("zero or positive", lambda v: v >= 0),
+    "experts_per_token": ("zero or positive", lambda v: v >= 0),
+    "swiglu_limit": _POSITIVE,
 }
 _ROPE_RULES: dict[str, Rule] = {
     "rope_type": (f"one of {', '.join(ROPE_TYPES)}", lambda v: v in ROPE_TYPES),
     "theta": _POSITIVE,
     "factor": _POSITIVE,
+    "attention_factor": _POSITIVE_OR_NULL,
 }
 
 

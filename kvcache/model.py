@@ -21,8 +21,10 @@ from . import attention, devices
 from .cache.base import KVCache, LayerCache, Step
 from .config import ModelConfig
 from .errors import KVCacheWarning
+from .parts.experts import Experts
 from .parts.mlp import MLP
 from .parts.norm import make_norm
+from .parts.scores import Scores
 from .rope import apply_rope, inverse_frequencies, rope_angles
 
 # Called at the start of every block with (layer index, hidden states (B, T, hidden_size)); a
@@ -34,8 +36,9 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
         self.cfg = cfg
+        geometry = cfg.layer(index)
         # This layer's sliding window, None for global attention (ModelConfig.layer).
-        self.window = cfg.layer(index).window
+        self.window = geometry.window
         D = cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * D, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * D, bias=cfg.qkv_bias)
@@ -45,10 +48,21 @@ class Attention(nn.Module):
             self.q_norm = make_norm(cfg.norm, D, cfg.rms_norm_eps)
             self.k_norm = make_norm(cfg.norm, D, cfg.rms_norm_eps)
         # Every attention kernel scales scores by D ** -0.5; a model with its own scale (Gemma's
-        # query_pre_attn_scalar) hands the caches queries pre-scaled by the ratio, so that no
-        # kernel, policy or storage needs to know.
-        ratio = cfg.attention_scale * D**0.5
+        # query_pre_attn_scalar, YaRN's factor on queries and keys) hands the caches queries
+        # pre-scaled by the ratio, so that no kernel, policy or storage needs to know.
+        ratio = cfg.attention_scale * D**0.5 * geometry.rope.magnitude**2
         self.query_ratio = None if ratio == 1.0 else ratio
+        # gpt-oss's learned logit per query head (its checkpoints name it ``sinks``; it is not
+        # kvcache's sink tokens).
+        self.sinks = nn.Parameter(torch.zeros(cfg.num_heads)) if cfg.sink_logits else None
+        self.softcap = cfg.attn_softcap
+
+    @property
+    def scores(self) -> Scores | None:
+        """This layer's rule for attention scores (soft-capping, sink logits), None if plain."""
+        if self.sinks is None and self.softcap is None:
+            return None
+        return Scores(softcap=self.softcap, sink_logits=self.sinks)
 
     def forward(
         self,
@@ -74,7 +88,7 @@ class Attention(nn.Module):
         if self.query_ratio is not None:
             q = q * self.query_ratio
         if layer_cache is None:
-            out = attention.causal(q, k, v, window=self.window)
+            out = attention.causal(q, k, v, window=self.window, scores=self.scores)
         else:
             out = layer_cache.attend(q, k, v, step)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
@@ -88,7 +102,7 @@ class Block(nn.Module):
         self.input_layernorm = make_norm(cfg.norm, cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, index)
         self.post_attention_layernorm = make_norm(cfg.norm, cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = Experts(cfg) if cfg.mlp == "experts" else MLP(cfg)
 
     def forward(self, x, cos, sin, layer_cache: LayerCache | None, step: Step | None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer_cache, step)
@@ -173,6 +187,17 @@ class Transformer(nn.Module):
     def rotary(self, layer: int) -> torch.Tensor:
         """(head_dim // 2,) float32 rotary frequencies of layer ``layer``."""
         return self.inv_freq if self._rope_of[layer] == 0 else self.inv_freq_local
+
+    def scores(self, layer: int) -> Scores | None:
+        """Layer ``layer``'s rule for attention scores (soft-capping, sink logits), None if plain."""
+        return self.layers[layer].self_attn.scores
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits (..., vocab) of final normed hidden states (..., hidden): the output projection,
+        soft-capped where the family caps its logits (Gemma 2)."""
+        logits = self.lm_head(hidden)
+        cap = self.config.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def forward(
         self,
@@ -270,7 +295,7 @@ class Transformer(nn.Module):
         if last is not None:
             x = x[torch.arange(x.shape[0], device=x.device), last].unsqueeze(1)
         x = self.norm(x)
-        return x if skip_lm_head else self.lm_head(x)
+        return x if skip_lm_head else self.head(x)
 
     def check_token_ids(self, input_ids: torch.Tensor) -> None:
         """Reject ids outside [0, vocab_size), padding included, before any kernel reads them and

@@ -22,7 +22,29 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":
         return _llama3_scale(inv_freq, rope)
+    if rope.rope_type == "yarn":
+        return _yarn_scale(inv_freq, rope, head_dim)
     return inv_freq
+
+
+def _yarn_scale(inv_freq: torch.Tensor, rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    # YaRN: dimensions that turn many times over the original context keep their frequency
+    # (extrapolation), those that turn less than once are slowed by ``factor`` (interpolation),
+    # and a linear ramp over the dimensions between blends the two. The ramp's ends are the
+    # dimensions at which a frequency makes beta_fast and beta_slow turns over the context.
+    def dimension(turns: float) -> float:
+        context = rope.original_max_position_embeddings
+        return head_dim * math.log(context / (turns * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = dimension(rope.beta_fast), dimension(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of zero width would divide by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    # ramp 0: keep the frequency; ramp 1: interpolate it.
+    return inv_freq * (1 - ramp) + inv_freq / rope.factor * ramp
 
 
 def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:

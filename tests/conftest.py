@@ -236,7 +236,8 @@ WINDOW = 8
 
 
 def _config(name: str):
-    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+    from transformers import (Gemma2Config, Gemma3TextConfig, GptOssConfig, LlamaConfig, MistralConfig, Phi3Config,
+                              Qwen2Config, Qwen3Config)
 
     if name == "llama":
         return LlamaConfig(**_COMMON, tie_word_embeddings=False)
@@ -278,6 +279,20 @@ def _config(name: str):
     if name == "phi3":
         # Fused query/key/value and gate/up projections in the checkpoint.
         return Phi3Config(**_COMMON, tie_word_embeddings=False)
+    if name == "gemma2":
+        # Soft caps small enough that tanh bends scores and logits of order 1 (Gemma 2's are 50
+        # and 30); sliding and global layers alternate, as in Gemma 2.
+        return Gemma2Config(**{**_COMMON, "num_hidden_layers": 3}, head_dim=16, query_pre_attn_scalar=24,
+                            sliding_window=WINDOW, attn_logit_softcapping=1.5, final_logit_softcapping=2.0,
+                            tie_word_embeddings=True)
+    if name == "gpt_oss":
+        # Learned sink logits, YaRN (original_max_position_embeddings=512 with factor 8 puts head_dim=16's
+        # frequencies on both sides of the ramp), 4 experts of which 2 per token, window 8.
+        rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 512}
+        return GptOssConfig(**{**_COMMON, "num_hidden_layers": 3, "intermediate_size": 48}, head_dim=16,
+                            num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW, rope_parameters=rope,
+                            tie_word_embeddings=False)
     if name == "llama_long":
         # One layer, for the 16k-token memory test.
         return LlamaConfig(**{**_COMMON, "num_hidden_layers": 1, "max_position_embeddings": 32768})
@@ -288,7 +303,10 @@ FAMILIES = ["llama", "llama_llama3", "llama_linear", "qwen2", "qwen3", "mistral"
             "gemma3", "qwen2_window", "qwen3_window"]
 # Families whose layers are not all alike: sliding layers among global ones.
 HYBRID = ["gemma3", "qwen2_window", "qwen3_window"]
-TIED = {"llama_llama3", "qwen2", "gemma3", "qwen3_window"}
+TIED = {"llama_llama3", "qwen2", "gemma3", "qwen3_window", "gemma2"}
+# Families whose attention scores are not a plain softmax (parts/scores.py): soft-capped (Gemma 2),
+# with learned sink logits (gpt-oss, also a mixture of experts with YaRN); hybrid as well.
+SCORED = ["gemma2", "gpt_oss"]
 
 
 def build_hf_model(name: str, seed: int | None = None):

@@ -11,11 +11,12 @@ import torch
 
 import kvcache
 from kvcache.compile import CompiledDecode
-from conftest import CACHE_ATOL, DEVICE, HF_ATOL, HYBRID, WINDOW, atol, max_diff, random_ids
+from conftest import CACHE_ATOL, DEVICE, HF_ATOL, HYBRID, SCORED, WINDOW, atol, max_diff, random_ids
 
 ATOL = CACHE_ATOL[torch.float32]
 T = 80  # past the window many times over: chunks of 1, 7 and 64 tokens all cross it
 SCORING = ["h2o", "sink", "snapkv", "tova"]
+# (Gemma 2 and gpt-oss are hybrid too; tests/test_scored.py runs them through the policies.)
 
 
 def feed(model, ids, cache, chunk):
@@ -27,14 +28,14 @@ def sliding(model) -> list[bool]:
     return [layer.sliding for layer in model.config.layers]
 
 
-@pytest.mark.parametrize("family", HYBRID)
+@pytest.mark.parametrize("family", HYBRID + SCORED)
 def test_the_family_has_both_kinds_of_layer(model_factory, family):
     kinds = sliding(model_factory(family))
     assert any(kinds) and not all(kinds)
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 64])
-@pytest.mark.parametrize("family", HYBRID)
+@pytest.mark.parametrize("family", HYBRID + SCORED)
 def test_chunked_prefill_equals_one_pass_and_transformers(checkpoint_factory, model_factory, family, chunk):
     model = model_factory(family)
     ids = random_ids(T, batch=2, seed=5)
@@ -48,7 +49,7 @@ def test_chunked_prefill_equals_one_pass_and_transformers(checkpoint_factory, mo
     assert max_diff(chunked, full) <= ATOL, f"{family}, chunks of {chunk}"
 
 
-@pytest.mark.parametrize("family", HYBRID)
+@pytest.mark.parametrize("family", HYBRID + SCORED)
 def test_greedy_tokens_equal_transformers_generate(checkpoint_factory, model_factory, family):
     model = model_factory(family)
     ids = random_ids(12, batch=2, seed=6)
@@ -58,7 +59,7 @@ def test_greedy_tokens_equal_transformers_generate(checkpoint_factory, model_fac
     assert kvcache.generate(model, ids.tolist(), max_new_tokens=32, stop_tokens=()) == ref[:, 12:].tolist()
 
 
-@pytest.mark.parametrize("family", HYBRID)
+@pytest.mark.parametrize("family", HYBRID + SCORED)
 def test_ragged_rows_equal_each_row_alone(model_factory, family):
     model = model_factory(family)
     rows = [random_ids(n, seed=40 + n)[0] for n in (30, 9, 21)]
@@ -232,7 +233,7 @@ def test_a_stored_prefix_is_reused_bitwise_in_aligned_mode(model_factory, policy
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("family", HYBRID)
+@pytest.mark.parametrize("family", HYBRID + SCORED)
 def test_chunked_loss_through_the_rings_equals_full_backprop(model_factory, family):
     """Fine-tuning's chunked loss over a dense cache whose sliding layers are rings: the loss and
     every gradient of a full-sequence backward (chunks crossing the window)."""

@@ -114,8 +114,17 @@ class MaskedLayer(LayerCache):
             qs = apply_rope(q, cos.unsqueeze(1), sin.unsqueeze(1))
             sink_scores = (qs.view(B, Hkv, G, T, D) @ k[:, :, :S].unsqueeze(2).transpose(-1, -2)).float() * D**-0.5
             scores = torch.cat((sink_scores, scores[..., S:]), dim=-1)
+        rule = self.layer.spec.scores  # the family's: Gemma 2's soft cap, gpt-oss's sink logits
+        if rule is not None and rule.softcap is not None:
+            scores = torch.tanh(scores / rule.softcap) * rule.softcap
         mask = self.mask(B, T, q.device).unsqueeze(2)  # (B, Hp, 1, T, T)
-        weights = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        if rule is not None and rule.sink_logits is not None:
+            # One more column, with no value: its weight is dropped after the softmax.
+            sink = rule.sink_logits.float().view(1, Hkv, G, 1, 1).expand(B, -1, -1, T, 1)
+            weights = torch.cat((scores, sink), dim=-1).softmax(-1)[..., :-1]
+        else:
+            weights = scores.softmax(-1)
         return (weights.to(v.dtype) @ v.unsqueeze(2)).view(B, Hq, T, D)
 
     def reset(self) -> None:

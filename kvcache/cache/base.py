@@ -29,6 +29,7 @@ import torch
 
 from .. import devices
 from ..errors import CapacityError
+from ..parts.scores import Scores
 from . import snapshot as snapshots
 from .positions import MAX_POSITIONS
 from .options import NoOptions
@@ -63,6 +64,9 @@ class CacheSpec:
     # (hidden, Hq * D) this layer's output projection weight, for policies that weigh a value by
     # what it adds to the layer's output (critical); None where the model does not give it.
     out_proj: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    # The family's rule for attention scores (Gemma 2's soft-capping, gpt-oss's sink logits), or
+    # None for plain softmax attention; every attention call of the layer passes it on.
+    scores: Scores | None = None
 
     def __post_init__(self) -> None:
         # One form per device (cuda -> cuda:0, cpu:0 -> cpu), so that comparing it with a tensor's is exact.
@@ -71,15 +75,19 @@ class CacheSpec:
             raise ValueError(f"batch_size must be positive, got {self.batch_size}")
         if self.cache_length <= 0:
             raise ValueError(f"cache_length must be positive, got {self.cache_length}")
+        if self.scores is not None and self.storage != "full":
+            raise ValueError(f"storage {self.storage!r} keeps packed keys, whose kernels implement neither "
+                             "soft-capping nor sink logits, which this model's attention uses; use storage='full'")
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, *, batch_size: int, cache_length: int, storage: str = "full",
                   reserve: int = 0, block: int = 1, layer: int | None = None) -> CacheSpec:
         """The geometry of a cache for layer ``layer`` of ``model`` (a ``Transformer``, or what
-        ``kvcache.hf`` reads of another engine's model: ``config.layer(i)`` and ``rotary(i)``): its
-        K/V heads, head size, dtype, device, the layer's sliding window and rotary frequencies,
-        and its output projection (when the model has ``layers``). Without ``layer``, layer 0's
-        window and rotary and no projection. The one place they are read."""
+        ``kvcache.hf`` reads of another engine's model: ``config.layer(i)``, ``rotary(i)`` and
+        ``scores(i)``): its K/V heads, head size, dtype, device, the layer's sliding window, rotary
+        frequencies and scores rule, and its output projection (when the model has ``layers``).
+        Without ``layer``, layer 0's window, rotary and rule and no projection. The one place
+        they are read."""
         cfg, weight = model.config, model.embed_tokens.weight
         layers = getattr(model, "layers", None)
         out_proj = None if layer is None or layers is None else layers[layer].self_attn.o_proj.weight
@@ -87,7 +95,7 @@ class CacheSpec:
         return cls(batch_size=batch_size, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                    cache_length=cache_length, dtype=weight.dtype, device=weight.device,
                    sliding_window=cfg.layer(index).window, inv_freq=model.rotary(index), storage=storage,
-                   reserve=reserve, block=block, out_proj=out_proj)
+                   reserve=reserve, block=block, out_proj=out_proj, scores=model.scores(index))
 
 
 @dataclass(frozen=True)

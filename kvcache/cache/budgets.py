@@ -61,7 +61,7 @@ class _VoteRecorder(DenseCache):
         weight = torch.ones_like(step.positions[:, listened], dtype=torch.float32)
         _, mass, _ = attention.masked_with_weights(
             q[:, :, listened], k, v, step.positions[:, listened], k_pos, weight, limit=self.spec.sliding_window,
-            outputs=False)
+            outputs=False, scores=self.spec.scores)
         self.votes = pool_votes(mass, k_pos.expand_as(mass), self.kernel, "avg")
         return out
 

@@ -157,7 +157,7 @@ class EvictingCache(LayerCache):
     def _attend(self, q, k, v, q_pos, k_pos, step: Step, q_sink=None, observe: bool = True, outputs: bool = True):
         """Attention over candidates; returns out (None without ``outputs``) and, if the policy
         observes, mass and seen."""
-        rule = dict(window=self._lookback(), sinks=self.sinks(), limit=self.spec.sliding_window)
+        rule = dict(window=self._lookback(), sinks=self.sinks(), limit=self.spec.sliding_window, scores=self.spec.scores)
         # A prompt alone in an empty cache (the candidates are the chunk itself) takes renumbered
         # sinks on the fused path too (see ``_outputs``).
         alone = step.fresh and step.uniform and k.shape[2] == q.shape[2]
@@ -250,7 +250,7 @@ class EvictingCache(LayerCache):
             # Every held slot is in the past: only the empty ones of shorter rows are hidden, and
             # with equal rows none (then, without weights, this is the dense decode call).
             visible = None if even else pos >= 0
-            out, mass = attention.decode(q, ks, vs, visible, want_mass=observe)
+            out, mass = attention.decode(q, ks, vs, visible, want_mass=observe, scores=self.spec.scores)
             seen = 1.0 if visible is None else visible.float()
         else:
             out, mass, seen = self._attend(q, ks, vs, step.positions, pos, step, observe=observe)
@@ -291,7 +291,7 @@ class EvictingCache(LayerCache):
             visible = None if full else pos >= 0
         else:
             visible = attention.visibility(step.positions, pos, self.lookback(), self.sinks(), self.spec.sliding_window)[:, :, 0]
-        out, mass = attention.decode(q, ks, vs, visible, want_mass=self.needs_attention)
+        out, mass = attention.decode(q, ks, vs, visible, want_mass=self.needs_attention, scores=self.spec.scores)
         c = Candidates(ks, vs, pos, self.stats, q, step)
         self._observe(c, mass, 1.0 if visible is None else visible.float())
         prio = self.priority(c)

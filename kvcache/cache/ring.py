@@ -97,7 +97,8 @@ class RingCache(EvictingCache):
             visible = None
         else:
             visible = attention.visibility(step.positions, pos, self.lookback(), S, self.spec.sliding_window)[:, :, 0]
-        out, _ = attention.decode(q, ks, vs, visible, q_sink=self.sink_queries(q, step), sink_slots=S)
+        out, _ = attention.decode(q, ks, vs, visible, q_sink=self.sink_queries(q, step), sink_slots=S,
+                                  scores=self.spec.scores)
         return out
 
     def advance_decode(self) -> None:

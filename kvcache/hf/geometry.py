@@ -81,7 +81,7 @@ def read(model: torch.nn.Module) -> Geometry:
 def as_kvcache_model(g: Geometry, model: torch.nn.Module | None = None) -> SimpleNamespace:
     """The attributes of a ``kvcache.Transformer`` that ``kvcache.make_cache`` reads to size a
     cache (``config`` fields and each layer's geometry, the embedding weight's dtype and device,
-    each layer's ``rotary``), so that budgets, allocation, head budgets and reserve are computed
+    each layer's ``rotary`` and ``scores``: none, as softcapping and sink logits are refused), so that budgets, allocation, head budgets and reserve are computed
     and checked as for kvcache's own model, by the same code; with ``model``, its layers' output
     projections (``self_attn.o_proj``, for policies that weigh values by them) where every decoder
     layer has one."""
@@ -90,7 +90,8 @@ def as_kvcache_model(g: Geometry, model: torch.nn.Module | None = None) -> Simpl
                              layer=layers.__getitem__)
     weight = torch.empty(0, dtype=g.dtype, device=g.device)
     found = SimpleNamespace(config=config, embed_tokens=SimpleNamespace(weight=weight),
-                            rotary=(lambda i: None) if g.inv_freqs is None else g.inv_freqs.__getitem__)
+                            rotary=(lambda i: None) if g.inv_freqs is None else g.inv_freqs.__getitem__,
+                            scores=lambda i: None)
     decoder = model.get_decoder() if model is not None and hasattr(model, "get_decoder") else None
     decoder_layers = getattr(decoder, "layers", None)
     if decoder_layers is not None and len(decoder_layers) == g.num_layers and all(

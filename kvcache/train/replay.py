@@ -118,8 +118,9 @@ def held_positions(layer: LayerCache, start: int, batch: int) -> torch.Tensor:
 def rules(layer: LayerCache) -> dict:
     """The visibility rules ``layer`` attends by (see ``attention.visibility``)."""
     if isinstance(layer, EvictingCache):
-        return dict(window=layer.lookback(), sinks=layer.sinks(), limit=layer.spec.sliding_window)
-    return dict(window=None, sinks=0, limit=layer.spec.sliding_window)
+        return dict(window=layer.lookback(), sinks=layer.sinks(), limit=layer.spec.sliding_window,
+                    scores=layer.spec.scores)
+    return dict(window=None, sinks=0, limit=layer.spec.sliding_window, scores=layer.spec.scores)
 
 
 class Recorder(LayerCache):
@@ -210,4 +211,9 @@ def _attend(layer: LayerCache, q, k, v, kept_k, kept_v, kept_pos, step: Step) ->
     cand_pos = torch.cat((kept_pos, new_pos), dim=2)
     if q_sink is None:
         return attention.masked(q, cand_k, cand_v, step.positions, cand_pos, **rule)
+    if rule["scores"] is not None:
+        # A family's scores rule needs the explicit softmax, which scores renumbered sinks itself.
+        weight = step.positions.new_zeros(step.positions.shape, dtype=torch.float32)
+        return attention.masked_with_weights(q, cand_k, cand_v, step.positions, cand_pos, weight, q_sink=q_sink,
+                                             **rule)[0]
     return sink_biased(q, q_sink, cand_k, cand_v, step.positions, cand_pos, rule)

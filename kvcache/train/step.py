@@ -40,7 +40,7 @@ class ChunkStep(torch.nn.Module):
         the whole call's total weight. Returns () the chunk's weighted loss sum over ``denom``."""
         model = self.transformer
         hidden = model(ids, cache, skip_lm_head=True)
-        logits = model.lm_head(hidden).float()
+        logits = model.head(hidden).float()
         losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=ignore_index, reduction="none")
         return (losses * weights.flatten()).sum() / denom
 

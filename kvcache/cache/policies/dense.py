@@ -57,7 +57,7 @@ class DenseCache(LayerCache):
                 # ``roundtrip`` gives, without holding the codes twice. (Padding reads its slot's
                 # old contents, which no real query sees.)
                 k, v = store.read_back(0, T)
-            return attention.causal(q, k, v, window=self.spec.sliding_window)
+            return attention.causal(q, k, v, window=self.spec.sliding_window, scores=self.spec.scores)
         if T > 1 and store.packed and not store.exact_roundtrip:
             return store.attend_chunk(q, step.positions, step.n_tokens, self.spec.sliding_window)
         span = step.span_end
@@ -68,7 +68,8 @@ class DenseCache(LayerCache):
             return kernels.attend_decoded(q, ks, vs, step.positions, pos, window=self.spec.sliding_window)
         # A one-token step over a uniformly filled cache sees every slot, unless a model window cuts it.
         all_visible = step.uniform and T == 1 and (self.spec.sliding_window is None or span <= self.spec.sliding_window)
-        return attention.masked(q, ks, vs, step.positions, pos, window=self.spec.sliding_window, all_visible=all_visible)
+        return attention.masked(q, ks, vs, step.positions, pos, window=self.spec.sliding_window, all_visible=all_visible,
+                                scores=self.spec.scores)
 
     def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
         # Position p lives in slot p. A captured step attends every slot, the empty and future
@@ -87,7 +88,7 @@ class DenseCache(LayerCache):
             visible = None
         else:
             visible = attention.visibility(step.positions, pos, None, 0, self.spec.sliding_window)[:, :, 0]  # (B, 1, S)
-        return attention.decode(q, ks, vs, visible)[0]
+        return attention.decode(q, ks, vs, visible, scores=self.spec.scores)[0]
 
     # ----- slots as prefixes (the prefix store): slot p holds position p ---------------------
     def shares_prefixes(self) -> bool:

@@ -149,10 +149,11 @@ class KVzipCache(EvictingCache):
         values = torch.cat((c.values, v[:, :, n:]), 2)
         key_pos = torch.cat((cand_pos, chunk_pos[:, :, n:]), 2)
         if stored:
-            out = attention.masked(q, keys, values, step.positions, key_pos, limit=self.spec.sliding_window)
+            out = attention.masked(q, keys, values, step.positions, key_pos, limit=self.spec.sliding_window,
+                                   scores=self.spec.scores)
         else:
             # An empty cache: the call is causal attention over itself, the fused kernel's case.
-            out = attention.causal(q, keys, values, limit=self.spec.sliding_window)
+            out = attention.causal(q, keys, values, limit=self.spec.sliding_window, scores=self.spec.scores)
         fresh = reconstruction_scores(q[:, :, n:].float(), keys.float(), step.positions[:, n:], key_pos,
                                       cand_pos.shape[2], self.spec.sliding_window)
         had = stats["scored"] > 0
