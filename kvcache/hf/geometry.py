@@ -1,12 +1,13 @@
 """What kvcache needs to know about a transformers model, read once, before anything is built.
 
 A kvcache cache is sized by the model's layer count, K/V heads, head size, dtype and device, holds
-each layer's own sliding window (``config.layer_types``: Gemma 3, Gemma 2 without softcapping,
-sliding-window Qwen), and gives policies that renumber positions or undo the rotation of queries
-(sink with ``positions="renumbered"``, expected_attention) each layer's rotary frequencies. This
-module reads all of that from a ``PreTrainedModel`` and refuses, with ``UnsupportedModelError``
-naming the feature, a model whose attention kvcache's kernels cannot compute: logit softcapping,
-layers of other kinds (linear attention, chunked attention, shared K/V).
+each layer's own sliding window (``config.layer_types``: Gemma 3, Gemma 2, gpt-oss, sliding-window
+Qwen) and scores rule (Gemma 2's soft cap, gpt-oss's learned sink logits: ``parts.scores``), and
+gives policies that renumber positions or undo the rotation of queries (sink with
+``positions="renumbered"``, expected_attention) each layer's rotary frequencies. This module reads
+all of that from a ``PreTrainedModel`` and refuses, with ``UnsupportedModelError`` naming the
+feature, a model whose attention kvcache's kernels cannot compute: layers of other kinds (linear
+attention, chunked attention, shared K/V).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from types import SimpleNamespace
 import torch
 
 from ..config import LayerGeometry, RopeConfig
+from ..parts.scores import Scores
 from ..rope import rope_angles
 
 # Layer kinds (``config.layer_types``) whose attention kvcache computes: full causal attention,
@@ -39,6 +41,8 @@ class Geometry:
     windows:      each layer's sliding window, None for global attention.
     inv_freqs:    each layer's (head_dim // 2,) float32 rotary frequencies in the half-split layout
                   kvcache rotates with (``kvcache.rope``), or None with ``rope_note`` saying why.
+    scores:       each layer's scores rule (soft cap, the module's own sink-logit parameter), or
+                  None for plain softmax attention.
     dtype, device: those of the input embeddings, where the cache's buffers are allocated.
     """
 
@@ -50,6 +54,7 @@ class Geometry:
     rope_note: str
     dtype: torch.dtype
     device: torch.device
+    scores: tuple[Scores | None, ...] = ()
 
 
 def read(model: torch.nn.Module) -> Geometry:
@@ -60,12 +65,6 @@ def read(model: torch.nn.Module) -> Geometry:
         raise UnsupportedModelError(f"{type(model).__name__} is not a transformers model (it has no PreTrainedConfig)")
     config = config.get_text_config(decoder=True)
     name = type(model).__name__
-    softcap = getattr(config, "attn_logit_softcapping", None)
-    if softcap is not None:
-        raise UnsupportedModelError(
-            f"{name} caps its attention logits (config.attn_logit_softcapping={softcap}); kvcache's attention "
-            "kernels do not implement logit softcapping"
-        )
     layers = config.num_hidden_layers
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -75,13 +74,26 @@ def read(model: torch.nn.Module) -> Geometry:
     inv_freqs, note = _rotaries(model, head_dim, types)
     windows = tuple(None if t == "full_attention" else config.sliding_window for t in types)
     return Geometry(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, windows=windows,
-                    inv_freqs=inv_freqs, rope_note=note, dtype=weight.dtype, device=weight.device)
+                    inv_freqs=inv_freqs, rope_note=note, dtype=weight.dtype, device=weight.device,
+                    scores=_scores(model, config, layers))
 
+
+def _scores(model: torch.nn.Module, config, layers: int) -> tuple[Scores | None, ...]:
+    """Each layer's scores rule: ``config.attn_logit_softcapping`` (Gemma 2), and the learned
+    sink logits its attention module holds as ``sinks`` (gpt-oss), the parameter itself."""
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    modules = [getattr(layer, "self_attn", None) for layer in getattr(decoder, "layers", [])]
+    sinks = [getattr(m, "sinks", None) for m in modules] if len(modules) == layers else [None] * layers
+    if any(s is not None and not isinstance(s, torch.nn.Parameter) for s in sinks):
+        raise UnsupportedModelError(f"{type(model).__name__}'s attention modules hold sinks that are not learned "
+                                    "logits (a parameter per query head)")
+    return tuple(None if softcap is None and s is None else Scores(softcap=softcap, sink_logits=s) for s in sinks)
 
 def as_kvcache_model(g: Geometry, model: torch.nn.Module | None = None) -> SimpleNamespace:
     """The attributes of a ``kvcache.Transformer`` that ``kvcache.make_cache`` reads to size a
     cache (``config`` fields and each layer's geometry, the embedding weight's dtype and device,
-    each layer's ``rotary`` and ``scores``: none, as softcapping and sink logits are refused), so that budgets, allocation, head budgets and reserve are computed
+    each layer's ``rotary`` and ``scores``), so that budgets, allocation, head budgets and reserve are computed
     and checked as for kvcache's own model, by the same code; with ``model``, its layers' output
     projections (``self_attn.o_proj``, for policies that weigh values by them) where every decoder
     layer has one."""
@@ -91,7 +103,7 @@ def as_kvcache_model(g: Geometry, model: torch.nn.Module | None = None) -> Simpl
     weight = torch.empty(0, dtype=g.dtype, device=g.device)
     found = SimpleNamespace(config=config, embed_tokens=SimpleNamespace(weight=weight),
                             rotary=(lambda i: None) if g.inv_freqs is None else g.inv_freqs.__getitem__,
-                            scores=lambda i: None)
+                            scores=(lambda i: None) if not g.scores else g.scores.__getitem__)
     decoder = model.get_decoder() if model is not None and hasattr(model, "get_decoder") else None
     decoder_layers = getattr(decoder, "layers", None)
     if decoder_layers is not None and len(decoder_layers) == g.num_layers and all(

@@ -187,19 +187,20 @@ class AttentionRecorder:
             vis = attention.visibility(q_pos, k_pos, window, sinks, limit)
             self.calls.append(dict(q_pos=q_pos.clone(), k_pos=k_pos.clone(), vis=vis))
 
-        def masked(q, k, v, q_pos, k_pos, *, window=None, sinks=0, limit=None, all_visible=False):
+        def masked(q, k, v, q_pos, k_pos, *, window=None, sinks=0, limit=None, all_visible=False, scores=None):
             record(q_pos, k_pos, window, sinks, limit)
             if all_visible:
                 self.calls[-1]["vis"] = torch.ones_like(self.calls[-1]["vis"])
-            return orig[0](q, k, v, q_pos, k_pos, window=window, sinks=sinks, limit=limit, all_visible=all_visible)
+            return orig[0](q, k, v, q_pos, k_pos, window=window, sinks=sinks, limit=limit, all_visible=all_visible,
+                           scores=scores)
 
         def masked_with_weights(q, k, v, q_pos, k_pos, q_weight, *, window=None, sinks=0, limit=None,
-                                q_sink=None, outputs=True, in_order=False):
+                                q_sink=None, outputs=True, in_order=False, scores=None):
             # (``in_order`` skips only slots no query of a block sees: the visibility is k_pos's.)
             record(q_pos, k_pos, window, sinks, limit)
             self.calls[-1]["scores_only"] = not outputs
             return orig[1](q, k, v, q_pos, k_pos, q_weight, window=window, sinks=sinks, limit=limit,
-                           q_sink=q_sink, outputs=outputs, in_order=in_order)
+                           q_sink=q_sink, outputs=outputs, in_order=in_order, scores=scores)
 
         def decode(q, k, v, visible, **kwargs):
             # One query per row, at the row's current length; keys are the first S storage slots.
@@ -210,12 +211,12 @@ class AttentionRecorder:
             self.calls.append(dict(q_pos=q_pos, k_pos=k_pos, vis=vis.unsqueeze(2)))
             return orig[2](q, k, v, visible, **kwargs)
 
-        def causal(q, k, v, window=None, sinks=0, limit=None, q_sink=None):
+        def causal(q, k, v, window=None, sinks=0, limit=None, q_sink=None, scores=None):
             # A prompt alone in empty caches: positions 0..T-1 in every row, keys at the same.
             B, T = q.shape[0], q.shape[2]
             pos = torch.arange(T, device=q.device).expand(B, T)
             record(pos, pos.unsqueeze(1), window, sinks, limit)
-            return orig[3](q, k, v, window=window, sinks=sinks, limit=limit, q_sink=q_sink)
+            return orig[3](q, k, v, window=window, sinks=sinks, limit=limit, q_sink=q_sink, scores=scores)
 
         attention.masked, attention.masked_with_weights, attention.decode, attention.causal = (
             masked, masked_with_weights, decode, causal)

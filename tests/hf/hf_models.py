@@ -14,7 +14,7 @@ import torch
 
 import kvcache.hf
 from kvcache.hf import cache_kwargs
-from conftest import DEVICE, FAMILIES, HIDDEN, VOCAB, _COMMON, build_hf_model
+from conftest import DEVICE, FAMILIES, HIDDEN, SCORED, VOCAB, _COMMON, build_hf_model
 
 # Families kvcache does not implement, whose attention goes through transformers' interface.
 # granite scales its scores by attention_multiplier, not 1/sqrt(head_dim).
@@ -36,7 +36,8 @@ def _other_config(name: str):
     if name == "olmo2":
         # Its query and key norms span all heads, before the split into heads.
         return transformers.Olmo2Config(**_COMMON, tie_word_embeddings=False)
-    if name == "gemma2":
+    if name == "gemma2_cap":
+        # Gemma 2's own soft caps (50 and 30) and window (4096); conftest's "gemma2" caps harder.
         return transformers.Gemma2Config(**_COMMON, head_dim=16, tie_word_embeddings=True)
     if name == "gemma2_nocap":
         return transformers.Gemma2Config(**_COMMON, head_dim=16, attn_logit_softcapping=None,
@@ -66,7 +67,7 @@ def _check_buildable(name: str) -> None:
 def build(name: str, attn: str = "eager"):
     """A tiny fp32 causal LM of family ``name`` in eval mode on the test device, with ``attn``
     attention; the same weights every call."""
-    if name in FAMILIES:
+    if name in FAMILIES or name in SCORED:
         model = build_hf_model(name).to(DEVICE)
         model.set_attn_implementation(attn)
         return model

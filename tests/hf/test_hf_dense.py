@@ -14,7 +14,7 @@ import transformers
 
 import kvcache.hf
 from kvcache.hf import cache_kwargs
-from conftest import DEVICE, CACHE_ATOL, HYBRID, max_diff, random_ids
+from conftest import DEVICE, CACHE_ATOL, HYBRID, SCORED, max_diff, random_ids
 from hf_models import OTHER_FAMILIES, build, greedy, left_pad, make
 
 ATOL = CACHE_ATOL[torch.float32]
@@ -22,7 +22,7 @@ NEW = 64
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "mistral", "mistral_window", "phi3", *OTHER_FAMILIES, "phi3_partial",
-                                  *HYBRID, "gemma2_nocap"])
+                                  *HYBRID, *SCORED, "gemma2_cap", "gemma2_nocap"])
 def test_generate_equals_dynamic_cache(name):
     ids = random_ids(16, seed=1)
     want_ids, want_logits = greedy(build(name), ids, NEW)

@@ -32,12 +32,15 @@ def test_model_whose_attention_bypasses_the_interface():
     assert model.config._attn_implementation == "eager"
 
 
-@pytest.mark.parametrize("name, what", [("gemma2", "logit softcapping")])
-def test_attention_features_kvcache_does_not_compute(name, what):
-    model = build(name)
-    with pytest.raises(kvcache.hf.UnsupportedModelError, match=what):
-        kvcache.hf.make_cache(model, "dense", cache_length=8)
-    assert model.config._attn_implementation == "eager"
+def test_a_cache_made_for_other_soft_caps_is_refused():
+    """A layer cache applies the soft cap of the model it was made for; a model that caps
+    otherwise (here: not at all) is told so, and nothing is stored."""
+    capped, plain = build("gemma2_cap"), build("gemma2_nocap")
+    cache = kvcache.hf.make_cache(capped, "dense", cache_length=8)
+    plain.set_attn_implementation("kvcache")
+    with pytest.raises(kvcache.hf.UnsupportedModelError, match="softcap=None .* softcap=50.0"):
+        plain(random_ids(4), **cache_kwargs(cache))
+    assert cache.get_seq_length() == 0
 
 
 @pytest.mark.parametrize("policy, options", [("sink", {"positions": "renumbered"}), ("expected_attention", {})])
