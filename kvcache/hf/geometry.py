@@ -12,6 +12,7 @@ attention, chunked attention, shared K/V).
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -19,7 +20,7 @@ import torch
 
 from ..config import LayerGeometry, RopeConfig
 from ..parts.scores import Scores
-from ..rope import rope_angles
+from ..rope import apply_rope, rope_angles
 
 # Layer kinds (``config.layer_types``) whose attention kvcache computes: full causal attention,
 # and a sliding window over it.
@@ -171,6 +172,20 @@ def _rotary(model: torch.nn.Module, head_dim: int) -> tuple[torch.Tensor | None,
                     float(getattr(rotary, "attention_scaling", 1.0)))
 
 
+def _rotates_half_split(rotary: torch.nn.Module, cos, sin, want_cos, want_sin) -> bool:
+    """Whether the modeling module of ``rotary`` rotates with its (1, P, D/2) ``cos``, ``sin``
+    (through its ``apply_rotary_pos_emb``) as kvcache rotates with (1, P, D) ``want_cos``, ``want_sin``."""
+    apply = getattr(sys.modules.get(type(rotary).__module__), "apply_rotary_pos_emb", None)
+    if apply is None:
+        return False
+    x = torch.randn(1, 1, cos.shape[1], want_cos.shape[-1], generator=torch.Generator().manual_seed(0)).to(cos.device)
+    try:
+        theirs, _ = apply(x, x, cos, sin)
+    except (TypeError, ValueError, RuntimeError):
+        return False
+    return bool(torch.allclose(theirs.float(), apply_rope(x, want_cos[:, None], want_sin[:, None]), atol=1e-5))
+
+
 def _checked(rotary: torch.nn.Module, inv_freq: torch.Tensor, head_dim: int, rope_type: str, scale: float,
              *kind: str) -> tuple[torch.Tensor | None, str]:
     """``inv_freq`` (a copy, float32) if it covers the whole head, does not change with the
@@ -187,6 +202,11 @@ def _checked(rotary: torch.nn.Module, inv_freq: torch.Tensor, head_dim: int, rop
     except (TypeError, ValueError, RuntimeError) as e:
         return None, f"its rotary embedding could not be probed ({e})"
     want_cos, want_sin = rope_angles(inv_freq.float(), positions, torch.float32)
+    if cos.shape[-1] == head_dim // 2:
+        # One angle per pair (gpt-oss): the layout is the module's rotation function's, probed.
+        if not _rotates_half_split(rotary, cos.float(), sin.float(), scale * want_cos, scale * want_sin):
+            return None, "its rotary embedding does not use the half-split (rotate_half) layout kvcache rotates with"
+        return inv_freq.detach().float().clone(), ""
     if cos.shape != want_cos.shape or not (torch.allclose(cos.float(), scale * want_cos, atol=1e-5)
                                            and torch.allclose(sin.float(), scale * want_sin, atol=1e-5)):
         return None, "its rotary embedding does not use the half-split (rotate_half) layout kvcache rotates with"

@@ -1,4 +1,5 @@
-"""kvcache's policies inside transformers' own hybrid models (Gemma 3, sliding-window Qwen2):
+"""kvcache's policies inside transformers' own hybrid models (Gemma 3, sliding-window Qwen2, Gemma 2
+with its soft caps, gpt-oss with its sink logits):
 the sliding layers hold a ring of their window, the policy bounds the global layers, and every
 step equals kvcache's own model with the same policy (the same kept positions in every layer)."""
 
@@ -16,7 +17,7 @@ SCHEDULE = [12, 9, 9] + [1] * 10  # a 30-token prompt in chunks, then decode ste
 BUDGET = 12
 
 
-@pytest.fixture(scope="module", params=["gemma3", "qwen2_window"])
+@pytest.fixture(scope="module", params=["gemma3", "qwen2_window", "gemma2", "gpt_oss"])
 def models(request, checkpoint_factory, model_factory):
     from transformers import AutoModelForCausalLM
 
