@@ -35,7 +35,7 @@ FAMILIES: dict[str, dict[str, object]] = {
 # model_type of an image-and-text checkpoint -> that of its language model, which kvcache runs.
 MULTIMODAL = {"gemma3": "gemma3_text"}
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 # A layer's attention kind, as transformers' ``config.layer_types`` names it.
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # RMSNorm forms: "rms" scales by w after casting back (Llama); "gemma" by (1 + w) in float32.
@@ -60,7 +60,7 @@ class RopeConfig:
     # llama3 only
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
-    # llama3 and yarn
+    # llama3, yarn and longrope
     original_max_position_embeddings: int = 8192
     # yarn only: the band of rotations between extrapolation (beta_fast) and interpolation
     # (beta_slow), whether its edges are rounded to whole dimensions, and the factor on cos and
@@ -68,21 +68,40 @@ class RopeConfig:
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     truncate: bool = True
+    # yarn and longrope (None: derived from factor)
     attention_factor: float | None = None
+    # longrope only: each frequency's divisor while a sequence is within the original context
+    # (short) and once it has passed it (long), head_dim // 2 of each.
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         _validate(self, _ROPE_RULES)
+        if self.rope_type == "longrope" and (not self.short_factor or len(self.short_factor) != len(self.long_factor)):
+            raise FieldValueError("RopeConfig", "long_factor",
+                                  f"must list as many factors as short_factor ({len(self.short_factor)}), one per "
+                                  f"frequency, got {len(self.long_factor)}")
+
+    @property
+    def length_dependent(self) -> bool:
+        """Whether the frequencies change with the length of the sequence (longrope: short
+        factors within the original context, long ones past it)."""
+        return self.rope_type == "longrope"
 
     @property
     def magnitude(self) -> float:
         """The factor on cos and sin, so on each of a query and a key: YaRN's attention factor,
         1 for the other rotaries. kvcache rotates with unit cos and sin and puts the square on
         the attention scale, so that a rotation of a stored key stays a rotation."""
-        if self.rope_type != "yarn":
+        if self.rope_type not in ("yarn", "longrope"):
             return 1.0
         if self.attention_factor is not None:
             return self.attention_factor
-        return 1.0 if self.factor <= 1 else 0.1 * math.log(self.factor) + 1.0
+        if self.factor <= 1:
+            return 1.0
+        if self.rope_type == "longrope":
+            return math.sqrt(1 + math.log(self.factor) / math.log(self.original_max_position_embeddings))
+        return 0.1 * math.log(self.factor) + 1.0
 
 
 @dataclass(frozen=True)
@@ -312,7 +331,21 @@ def _rope_from_hf(hf: dict[str, Any], params: dict[str, Any]) -> RopeConfig:
             if params.get(name) is not None:
                 kwargs[name] = params[name]
         kwargs["truncate"] = params.get("truncate", True)
+    if rope_type == "longrope":
+        original = params.get("original_max_position_embeddings", hf.get("original_max_position_embeddings"))
+        factor = params.get("factor") or hf["max_position_embeddings"] / original
+        kwargs.update(factor=factor, original_max_position_embeddings=original,
+                      short_factor=_floats(params["short_factor"]), long_factor=_floats(params["long_factor"]))
+        if params.get("attention_factor") is not None:
+            kwargs["attention_factor"] = params["attention_factor"]
     return RopeConfig(**kwargs)
+
+
+def _floats(values: Any) -> Any:
+    """A list of numbers as a tuple of floats (anything else as it is: RopeConfig names it)."""
+    if isinstance(values, list) and all(_is_number(v) for v in values):
+        return tuple(float(v) for v in values)
+    return values
 
 
 def _sliding_window_from_hf(hf: dict[str, Any]) -> Any:
@@ -406,6 +439,7 @@ _TYPES: dict[str, tuple[str, Callable[[object], bool]]] = {
     "RopeConfig | None": ("a RopeConfig or None", lambda v: v is None or isinstance(v, RopeConfig)),
     "float | None": ("a number or null", lambda v: v is None or _is_number(v)),
     "tuple[str, ...]": ("a list of strings", lambda v: isinstance(v, tuple) and all(isinstance(x, str) for x in v)),
+    "tuple[float, ...]": ("a list of numbers", lambda v: isinstance(v, tuple) and all(_is_number(x) for x in v)),
 }
 
 # Field -> (what its value must be, test), checked once its type is right.

@@ -57,6 +57,31 @@ def decode_loop(out: list[list[int]], next_logits: torch.Tensor, decode: Callabl
     return out
 
 
+def _longrope_recompute(model: Transformer, cache: KVCache, rows: list[list[int]], out: list[list[int]],
+                        chunk: int | None, decode: Callable[[torch.Tensor], torch.Tensor]):
+    """(prefill chunk, decode step) for a model whose rotary changes past its original context
+    (longrope): there, as transformers' Phi-3 generates, every key of a sequence longer than the
+    original context has the long rotation. A prompt longer than it is prefilled in one pass, and
+    when decoding takes a row past it, every row is prefilled again (its prompt and the tokens
+    made so far) instead of the step. Other models: the arguments unchanged."""
+    rope = model.config.rope
+    if not rope.length_dependent:
+        return chunk, decode
+    limit = rope.original_max_position_embeddings
+    if max(map(len, rows)) > limit:
+        chunk = None
+    steps = [0]
+
+    def step(tokens: torch.Tensor) -> torch.Tensor:
+        steps[0] += 1
+        if not any(len(p) + steps[0] == limit + 1 for p in rows):
+            return decode(tokens)
+        cache.reset()
+        return prefill(model, cache, [p + o for p, o in zip(rows, out)], chunk=None)
+
+    return chunk, step
+
+
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """The most likely token of each row: logits (B, vocab) -> (B,)."""
     return logits.argmax(-1)
@@ -364,6 +389,8 @@ def generate(
     if seed is not None:
         generator = torch.Generator(device=device).manual_seed(seed)
 
+    out: list[list[int]] = [[] for _ in range(B)]
+    prefill_chunk, decode = _longrope_recompute(model, cache, rows, out, prefill_chunk, decode)
     # Prefill: chunk c holds tokens [c*step, (c+1)*step) of every row, right-padded.
     next_logits = prefill(model, cache, rows, chunk=prefill_chunk, store=prefix_store, aligned=aligned,
                           on_prefill=on_prefill)
@@ -388,7 +415,6 @@ def generate(
             on_token(b, tokens[-1])
         return tokens[-1] in stops or bool(strings and any(s in tokenizer.decode(tokens) for s in strings))
 
-    out: list[list[int]] = [[] for _ in range(B)]
     try:
         decode_loop(out, next_logits, decode, max_new_tokens, pick, stopped)
     except Exception as e:

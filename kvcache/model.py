@@ -151,6 +151,8 @@ class Transformer(nn.Module):
         self._rope_of = [self._ropes.index(layer.rope) for layer in cfg.layers]
         self.register_buffer("inv_freq", torch.empty(0), persistent=False)
         self.register_buffer("inv_freq_local", torch.empty(0), persistent=False)
+        # longrope (Phi-3): the global rotary's frequencies once a row is past the original context.
+        self.register_buffer("inv_freq_long", torch.empty(0), persistent=False)
         # Gemma multiplies its embeddings by sqrt(hidden) rounded to the model's dtype.
         self.register_buffer("embed_scale", torch.tensor(float(cfg.hidden_size) ** 0.5), persistent=False)
         self.reset_rope()
@@ -165,6 +167,11 @@ class Transformer(nn.Module):
         freqs = [inverse_frequencies(rope, self.config.head_dim).to(device) for rope in self._ropes]
         self.inv_freq = freqs[0]
         self.inv_freq_local = freqs[1] if len(freqs) > 1 else freqs[0][:0]
+        rope = self._ropes[0]
+        long = inverse_frequencies(rope, self.config.head_dim, long=True) if rope.length_dependent else freqs[0][:0]
+        self.inv_freq_long = long.to(device)
+        if any(r.length_dependent for r in self._ropes[1:]):
+            raise ValueError("a length-dependent rotary (longrope) is supported on the global layers only")
         self.embed_scale = torch.tensor(float(self.config.hidden_size) ** 0.5, device=device)
 
     def lay_out_head(self, hidden_major: bool) -> None:
@@ -184,9 +191,12 @@ class Transformer(nn.Module):
         if self.config.tie_word_embeddings:
             self.embed_tokens.weight = moved
 
-    def rotary(self, layer: int) -> torch.Tensor:
-        """(head_dim // 2,) float32 rotary frequencies of layer ``layer``."""
-        return self.inv_freq if self._rope_of[layer] == 0 else self.inv_freq_local
+    def rotary(self, layer: int) -> torch.Tensor | None:
+        """(head_dim // 2,) float32 rotary frequencies of layer ``layer``; None where they change
+        with the sequence's length (longrope), so that no policy re-rotates a stored key by them."""
+        if self._rope_of[layer] == 0:
+            return None if self._ropes[0].length_dependent else self.inv_freq
+        return self.inv_freq_local
 
     def scores(self, layer: int) -> Scores | None:
         """Layer ``layer``'s rule for attention scores (soft-capping, sink logits), None if plain."""
@@ -282,6 +292,8 @@ class Transformer(nn.Module):
         dtype = self.embed_tokens.weight.dtype
         freqs = (self.inv_freq, self.inv_freq_local)[: len(self._ropes)]
         angles = [rope_angles(f, positions, dtype) for f in freqs]  # one (cos, sin) per rotary
+        if self.inv_freq_long.numel():
+            angles[0] = self._longrope(angles[0], positions, step, dtype)
         x = self.embed_tokens(input_ids)
         if self.config.scale_embeddings:
             x = x * self.embed_scale.to(x.dtype)
@@ -296,6 +308,17 @@ class Transformer(nn.Module):
             x = x[torch.arange(x.shape[0], device=x.device), last].unsqueeze(1)
         x = self.norm(x)
         return x if skip_lm_head else self.head(x)
+
+    def _longrope(self, short: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor, step: Step | None,
+                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """longrope's (cos, sin) for the chunk: the long factors' for a row whose sequence, after the
+        chunk, is longer than the original context, else ``short``. Keys stored before keep the
+        rotation they were stored with, as in transformers, which decides by the longest row of a
+        batch; here each row decides alone, so a row computes what it would alone."""
+        long = rope_angles(self.inv_freq_long, positions, dtype)
+        newest = positions.amax(-1) if step is None else step.newest  # (B or 1,)
+        past = (newest + 1 > self._ropes[0].original_max_position_embeddings).view(-1, 1, 1)
+        return torch.where(past, long[0], short[0]), torch.where(past, long[1], short[1])
 
     def check_token_ids(self, input_ids: torch.Tensor) -> None:
         """Reject ids outside [0, vocab_size), padding included, before any kernel reads them and

@@ -15,9 +15,17 @@ import torch
 from .config import RopeConfig
 
 
-def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
-    """(head_dim // 2,) float32 angular frequencies, scaled as ``rope.rope_type`` prescribes."""
-    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+def inverse_frequencies(rope: RopeConfig, head_dim: int, *, long: bool = False) -> torch.Tensor:
+    """(head_dim // 2,) float32 angular frequencies, scaled as ``rope.rope_type`` prescribes
+    (longrope: with its short factors, or with ``long`` its long ones)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+    if rope.rope_type == "longrope":
+        if len(rope.short_factor) != head_dim // 2:
+            raise ValueError(f"longrope lists {len(rope.short_factor)} factors for head_dim {head_dim}; it needs "
+                             f"{head_dim // 2}, one per frequency")
+        factors = torch.tensor(rope.long_factor if long else rope.short_factor, dtype=torch.float32)
+        return 1.0 / (factors * rope.theta**exponents)
+    inv_freq = 1.0 / (rope.theta**exponents)
     if rope.rope_type == "linear":
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":

@@ -293,6 +293,15 @@ def _config(name: str):
         return GptOssConfig(**{**_COMMON, "num_hidden_layers": 3, "intermediate_size": 48}, head_dim=16,
                             num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW, rope_parameters=rope,
                             tie_word_embeddings=False)
+    if name == "phi3_longrope":
+        # Phi-3.5's rotary: short factors within the original context (32 tokens here, so that
+        # prompts cross it), long ones past it; factor 4 from max_position_embeddings / 32.
+        gen = torch.Generator().manual_seed(3)
+        short = (1 + torch.rand(8, generator=gen)).tolist()
+        long = (1 + 8 * torch.rand(8, generator=gen)).tolist()
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": short, "long_factor": long}
+        return Phi3Config(**{**_COMMON, "max_position_embeddings": 128}, original_max_position_embeddings=32,
+                          rope_parameters=rope, tie_word_embeddings=False)
     if name == "llama_long":
         # One layer, for the 16k-token memory test.
         return LlamaConfig(**{**_COMMON, "num_hidden_layers": 1, "max_position_embeddings": 32768})

@@ -67,7 +67,11 @@ def test_layer_types_pick_each_layers_window_and_rotary():
     ({"hidden_act": "relu"}, "hidden_act"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
      "partial_rotary_factor=0.5"),
-    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope_type .*longrope"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "original_max_position_embeddings": 8}},
+     "short_factor"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "original_max_position_embeddings": 8,
+                          "short_factor": [1.0, 1.0], "long_factor": [2.0]}}, "long_factor .*as many factors"),
+    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}, "rope_type .*dynamic"),
 ])
 def test_invalid_layer_kinds(changes, problem):
     with pytest.raises(CheckpointError, match=problem):
