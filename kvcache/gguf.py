@@ -44,6 +44,11 @@ _LAYER_NAMES = {
 # then the norm before the MLP.
 _SANDWICH_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
                    "post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+# Phi-3 keeps the checkpoint's fused projections: query/key/value in one, gate and up in one
+# ("ffn_up"), split on loading as a Hugging Face checkpoint's are (checkpoint.py).
+_FUSED_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# longrope's factors, which a Phi-3 file keeps as tensors: (head_dim // 2,) each.
+_ROPE_FACTORS = {"rope_factors_short.weight": "short_factor", "rope_factors_long.weight": "long_factor"}
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,7 @@ class Architecture:
 ARCHITECTURES = {
     "llama": Architecture("llama", reordered=True), "mistral": Architecture("mistral", reordered=True),
     "qwen2": Architecture("qwen2", reordered=False), "qwen3": Architecture("qwen3", reordered=False),
+    "phi3": Architecture("phi3", reordered=False, layer_names=_FUSED_NAMES),
     "gemma2": Architecture("gemma2", reordered=False, norm_offset=1.0, layer_names=_SANDWICH_NAMES),
     "gemma3": Architecture("gemma3_text", reordered=False, norm_offset=1.0, layer_names=_SANDWICH_NAMES),
 }
@@ -121,8 +127,12 @@ def read(path: str | Path, *, weights: bool = True) -> GGUFCheckpoint:
     architecture = ARCHITECTURES[arch]
     names = {t.name for t in reader.tensors}
     config = _config(fields, arch, architecture.model_type, names)
+    if _ROPE_FACTORS.keys() <= names:
+        _longrope(config, fields, arch, {t.name: t for t in reader.tensors if t.name in _ROPE_FACTORS}, path)
     tensors = {}
     for t in reader.tensors:
+        if t.name in _ROPE_FACTORS and "long_factor" in config["rope_parameters"]:
+            continue  # read into the config (_longrope)
         hf = _hf_name(t.name, architecture.layer_names)
         if hf is None:
             raise CheckpointError(f"{path} holds tensor {t.name!r}, which kvcache does not know how to use "
@@ -229,6 +239,19 @@ def _config(fields: _Fields, arch: str, model_type: str, names: set[str]) -> dic
     if model_type == "gemma2":
         _gemma2(config, fields, arch)
     return config
+
+
+def _longrope(config: dict[str, Any], fields: _Fields, arch: str, tensors: dict, path: Path) -> None:
+    """Phi-3's longrope, as llama.cpp writes it: the short and long factors as tensors, the
+    original context and (optionally) the factor on cos and sin as metadata."""
+    original = fields.need(f"{arch}.rope.scaling.original_context_length")
+    rope = {**config["rope_parameters"], "rope_type": "longrope", "original_max_position_embeddings": int(original)}
+    for name, key in _ROPE_FACTORS.items():
+        rope[key] = _tensor(tensors[name], path).tolist()
+    factor = fields.get(f"{arch}.rope.scaling.attn_factor")
+    if factor is not None:
+        rope["attention_factor"] = _decimal(factor)
+    config["rope_parameters"] = rope
 
 
 def _gemma2(config: dict[str, Any], fields: _Fields, arch: str) -> None:
@@ -378,7 +401,7 @@ def _byte_level(fields: _Fields, tokens: list[str], path: Path):
 
 # Architectures whose SentencePiece vocabulary is listed in merge order, best first, and whose
 # files carry no merges (Gemma's): the merges are recovered from that order.
-SENTENCEPIECE_BY_ORDER = ("gemma2", "gemma3")
+SENTENCEPIECE_BY_ORDER = ("gemma2", "gemma3", "phi3")
 _SPACE = "\u2581"  # SentencePiece's spelling of a space
 
 

@@ -193,3 +193,49 @@ def write_gemma3_gguf(path: Path, model, tokens: list[str], types: list[int]) ->
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+_PHI3_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+               "self_attn.qkv_proj": "attn_qkv", "self_attn.o_proj": "attn_output",
+               "mlp.gate_up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def write_phi3_gguf(path: Path, model, tokens: list[str], types: list[int]) -> None:
+    """Write the transformers Phi-3 ``model`` (float32 weights, its fused query/key/value and
+    gate/up projections kept whole, unreordered) with a SentencePiece vocabulary, as llama.cpp's
+    converter writes one: a longrope model's factors as the rope_factors_short/long tensors, its
+    original context and factor on cos and sin as metadata."""
+    cfg = model.config
+    rope = cfg.rope_parameters
+    writer = _writer(path, "phi3", cfg, rope["rope_theta"])
+    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([-float(i) for i in range(len(tokens))])
+    writer.add_token_types(types)
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_unk_token_id(3)
+    writer.add_pad_token_id(0)
+    writer.add_add_bos_token(True)
+    writer.add_add_space_prefix(True)
+    if rope.get("rope_type") == "longrope":
+        original = cfg.original_max_position_embeddings
+        scale = cfg.max_position_embeddings / original
+        writer.add_uint32("phi3.rope.scaling.original_context_length", original)
+        writer.add_float32("phi3.rope.scaling.attn_factor", (1 + np.log(scale) / np.log(original)) ** 0.5)
+        writer.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+    for name, tensor in model.state_dict().items():
+        base, _, kind = name.rpartition(".")
+        if base in _TOP:
+            gname = f"{_TOP[base]}.{kind}"
+        else:
+            _, _, i, rest = base.split(".", 3)
+            gname = f"blk.{i}.{_PHI3_LAYER[rest]}.{kind}"
+        writer.add_tensor(gname, tensor.detach().float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
