@@ -333,7 +333,10 @@ def _rope_from_hf(hf: dict[str, Any], params: dict[str, Any]) -> RopeConfig:
         kwargs["truncate"] = params.get("truncate", True)
     if rope_type == "longrope":
         original = params.get("original_max_position_embeddings", hf.get("original_max_position_embeddings"))
-        factor = params.get("factor") or hf["max_position_embeddings"] / original
+        if not _is_int(original) or original <= 0:
+            raise CheckpointError(f"config.json's longrope rotary needs original_max_position_embeddings, a positive "
+                                  f"int, got {original!r}")
+        factor = params.get("factor") or hf.get("max_position_embeddings", 2048) / original
         kwargs.update(factor=factor, original_max_position_embeddings=original,
                       short_factor=_floats(params["short_factor"]), long_factor=_floats(params["long_factor"]))
         if params.get("attention_factor") is not None:

@@ -187,7 +187,7 @@ def test_config_missing_field(ckpt_copy):
     "changes,match",
     [
         ({"num_key_value_heads": 3}, "multiple of num_kv_heads"),
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}}, "rope_type"),
+        ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}, "rope_type"),
         ({"num_hidden_layers": 0}, "num_layers"),
     ],
 )
