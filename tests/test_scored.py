@@ -93,8 +93,7 @@ def test_renumbered_sinks_decode_as_the_chunked_path(model_factory, family):
     assert max_diff(one, seven) <= ATOL
 
 
-@pytest.mark.parametrize("policy", ["dense", "h2o"])
-@pytest.mark.parametrize("family", SCORED)
+@pytest.mark.parametrize("family, policy", [("gemma2", "h2o"), ("gpt_oss", "dense")])
 def test_captured_decode_step_matches_eager(model_factory, family, policy):
     model = model_factory(family)
     ids = random_ids(12 + 8, batch=2, seed=5)
