@@ -47,6 +47,11 @@ _SANDWICH_NAMES = {**_LAYER_NAMES, "ffn_norm": "pre_feedforward_layernorm",
 # Phi-3 keeps the checkpoint's fused projections: query/key/value in one, gate and up in one
 # ("ffn_up"), split on loading as a Hugging Face checkpoint's are (checkpoint.py).
 _FUSED_NAMES = {**_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
+# gpt-oss: the learned sink logits, the router, and each expert projection stacked over the
+# experts, gate and up apart (joined on reading: _join_experts).
+_EXPERT_NAMES = {**_LAYER_NAMES, "post_attention_norm": "post_attention_layernorm", "attn_sinks": "self_attn.sinks",
+                 "ffn_gate_inp": "mlp.router", "ffn_gate_exps": "mlp.experts.gate", "ffn_up_exps": "mlp.experts.up",
+                 "ffn_down_exps": "mlp.experts.down"}
 # longrope's factors, which a Phi-3 file keeps as tensors: (head_dim // 2,) each.
 _ROPE_FACTORS = {"rope_factors_short.weight": "short_factor", "rope_factors_long.weight": "long_factor"}
 
@@ -68,11 +73,12 @@ ARCHITECTURES = {
     "llama": Architecture("llama", reordered=True), "mistral": Architecture("mistral", reordered=True),
     "qwen2": Architecture("qwen2", reordered=False), "qwen3": Architecture("qwen3", reordered=False),
     "phi3": Architecture("phi3", reordered=False, layer_names=_FUSED_NAMES),
+    "gpt-oss": Architecture("gpt_oss", reordered=False, layer_names=_EXPERT_NAMES),
     "gemma2": Architecture("gemma2", reordered=False, norm_offset=1.0, layer_names=_SANDWICH_NAMES),
     "gemma3": Architecture("gemma3_text", reordered=False, norm_offset=1.0, layer_names=_SANDWICH_NAMES),
 }
 # Tensor types read (the gguf package dequantizes each block type to float32).
-TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4")
 # llama.cpp's Gemma 3: every sixth layer global, the others sliding; the sliding layers rotate with
 # base 10k (neither is in the file's metadata).
 GEMMA3_GLOBAL_EVERY = 6
@@ -87,6 +93,11 @@ _WORDS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|DIGITS| ?[^\s\p
 SPLITS = {
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), _WORDS.replace("DIGITS", r"\p{N}")),
     **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "smaug-bpe"), _WORDS.replace("DIGITS", r"\p{N}{1,3}")),
+    # gpt-oss's o200k: words with their case runs and contractions, up to three digits.
+    "gpt-4o": "|".join((
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+        r"\p{N}{1,3}", r" ?[^\s\p{L}\p{N}]+[\r\n/]*", r"\s*[\r\n]+", r"\s+(?!\S)", r"\s+")),
 }
 
 
@@ -144,6 +155,8 @@ def read(path: str | Path, *, weights: bool = True) -> GGUFCheckpoint:
             tensors[hf] = _tensor(t, path)
             if architecture.norm_offset and hf.endswith("norm.weight"):
                 tensors[hf] -= architecture.norm_offset
+    if architecture.model_type == "gpt_oss" and weights:
+        tensors = _join_experts(tensors)
     if architecture.reordered and weights:
         for name, tensor in tensors.items():
             if ".q_proj." in name:
@@ -210,10 +223,17 @@ def _config(fields: _Fields, arch: str, model_type: str, names: set[str]) -> dic
         vocab = len(fields.need("tokenizer.ggml.tokens"))
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": _decimal(fields.get(f"{arch}.rope.freq_base", 10000.0))}
     scaling = fields.get(f"{arch}.rope.scaling.type")
-    if scaling == "linear":
-        rope = {**rope, "rope_type": "linear", "factor": float(fields.need(f"{arch}.rope.scaling.factor"))}
+    if scaling in ("linear", "yarn"):
+        rope = {**rope, "rope_type": scaling, "factor": float(fields.need(f"{arch}.rope.scaling.factor"))}
     elif scaling not in (None, "none"):
-        raise CheckpointError(f"{fields.path} uses {scaling!r} rope scaling; GGUF files with none or linear load")
+        raise CheckpointError(f"{fields.path} uses {scaling!r} rope scaling; GGUF files with none, linear or yarn load")
+    if scaling == "yarn":
+        # (llama.cpp rounds the ramp's ends to whole dimensions: truncate, the default.)
+        rope["original_max_position_embeddings"] = int(fields.need(f"{arch}.rope.scaling.original_context_length"))
+        for key in ("beta_fast", "beta_slow"):
+            value = fields.get(f"{arch}.rope.scaling.yarn_{key}")
+            if value is not None:
+                rope[key] = _decimal(value)
     config = {
         "model_type": model_type,
         "vocab_size": int(vocab),
@@ -238,7 +258,42 @@ def _config(fields: _Fields, arch: str, model_type: str, names: set[str]) -> dic
         _gemma3(config, fields, arch)
     if model_type == "gemma2":
         _gemma2(config, fields, arch)
+    if model_type == "gpt_oss":
+        _gpt_oss(config, fields, arch)
     return config
+
+
+def _gpt_oss(config: dict[str, Any], fields: _Fields, arch: str) -> None:
+    """gpt-oss as llama.cpp writes it: its experts in the metadata, its window, and what its code
+    fixes: sliding and global layers alternating (layer 0 slides)."""
+    if "sliding_window" not in config:
+        raise CheckpointError(f"{fields.path} is a gpt-oss file without {arch}.attention.sliding_window")
+    config["num_local_experts"] = int(fields.need(f"{arch}.expert_count"))
+    config["num_experts_per_tok"] = int(fields.need(f"{arch}.expert_used_count"))
+    config["intermediate_size"] = int(fields.need(f"{arch}.expert_feed_forward_length"))
+    config["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                             for i in range(config["num_hidden_layers"])]
+
+
+def _join_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """gpt-oss's tensors as its checkpoints hold them: per layer, gate and up (E, I, H) as one
+    gate_up_proj (E, H, 2I) with gate and up in alternate columns, down (E, H, I) as
+    down_proj (E, I, H), their biases alike, and the sink logits without the ".weight" llama.cpp
+    adds."""
+    out = {}
+    for name, t in tensors.items():
+        if ".mlp.experts." not in name:
+            out[name.replace("self_attn.sinks.weight", "self_attn.sinks")] = t
+            continue
+        base, part, kind = name.rsplit(".", 2)
+        if part == "down":
+            out[f"{base}.down_proj" + ("" if kind == "weight" else "_bias")] = t.transpose(-1, -2) if kind == "weight" else t
+        elif part == "gate":
+            up = tensors[f"{base}.up.{kind}"]
+            gate = t.transpose(-1, -2) if kind == "weight" else t
+            up = up.transpose(-1, -2) if kind == "weight" else up
+            out[f"{base}.gate_up_proj" + ("" if kind == "weight" else "_bias")] = torch.stack((gate, up), -1).flatten(-2)
+    return {name: t.contiguous() for name, t in out.items()}
 
 
 def _longrope(config: dict[str, Any], fields: _Fields, arch: str, tensors: dict, path: Path) -> None:

@@ -239,3 +239,69 @@ def write_phi3_gguf(path: Path, model, tokens: list[str], types: list[int]) -> N
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def write_gpt_oss_gguf(path: Path, model, tokenizer_dir: Path, *, expert_type: str = "F32") -> None:
+    """Write the transformers gpt-oss ``model`` as llama.cpp's converter writes one: each expert
+    projection stacked over the experts in the (out, in) layout with gate and up apart (the
+    checkpoint interleaves them by column), the sink logits as ``attn_sinks.weight``, YaRN's
+    scaling as metadata, the expert weights in ``expert_type`` (llama.cpp's files: MXFP4), and
+    ``tokenizer_dir``'s byte-level BPE with the o200k split ("gpt-4o")."""
+    import gguf
+
+    cfg = model.config
+    rope = cfg.rope_parameters
+    writer = _writer(path, "gpt-oss", cfg, rope["rope_theta"])
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_sliding_window(cfg.sliding_window)
+    writer.add_uint32("gpt-oss.expert_count", cfg.num_local_experts)
+    writer.add_uint32("gpt-oss.expert_used_count", cfg.num_experts_per_tok)
+    writer.add_uint32("gpt-oss.expert_feed_forward_length", cfg.intermediate_size)
+    writer.add_string("gpt-oss.rope.scaling.type", "yarn")
+    writer.add_float32("gpt-oss.rope.scaling.factor", rope["factor"])
+    writer.add_uint32("gpt-oss.rope.scaling.original_context_length", rope["original_max_position_embeddings"])
+    spec = json.loads((tokenizer_dir / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-4o")
+    writer.add_bos_token_id(cfg.bos_token_id)
+    writer.add_eos_token_id(cfg.eos_token_id)
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * len(tokens))
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]])
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.router": "ffn_gate_inp"}
+    for name, tensor in model.state_dict().items():
+        w = tensor.detach().float().numpy()
+        base, _, kind = name.rpartition(".")
+        if base in _TOP:
+            writer.add_tensor(f"{_TOP[base]}.{kind}", w)
+            continue
+        _, _, i, rest = name.split(".", 3)
+        if rest == "self_attn.sinks":
+            writer.add_tensor(f"blk.{i}.attn_sinks.weight", w)
+        elif rest.startswith("mlp.experts."):
+            proj = rest.removeprefix("mlp.experts.")
+            bias = proj.endswith("_bias")
+            if not bias:
+                w = np.ascontiguousarray(w.swapaxes(-1, -2))  # (E, out, in)
+            parts = {"down": w} if proj.startswith("down") else {"gate": w[..., ::2] if bias else w[:, ::2],
+                                                                 "up": w[..., 1::2] if bias else w[:, 1::2]}
+            for part, t in parts.items():
+                gname = f"blk.{i}.ffn_{part}_exps.{'bias' if bias else 'weight'}"
+                t = np.ascontiguousarray(t)
+                if bias or expert_type == "F32":
+                    writer.add_tensor(gname, t)
+                else:
+                    qtype = gguf.GGMLQuantizationType[expert_type]
+                    writer.add_tensor(gname, gguf.quants.quantize(t, qtype), raw_dtype=qtype)
+        else:
+            base, _, kind = rest.rpartition(".")
+            writer.add_tensor(f"blk.{i}.{names[base]}.{kind}", w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
