@@ -19,11 +19,11 @@ import time
 from pathlib import Path
 
 import torch
+from emit import emit
 
 import kvcache
 from kvcache.evaluate import reference_logprobs, streaming
 from kvcache.tasks import DEFAULT_TEXTS, read_texts
-from emit import emit
 
 
 def log(*args) -> None:

@@ -27,9 +27,10 @@ import sys
 import tempfile
 import time
 
+from emit import emit, machine
+
 import kvcache
 from kvcache.tasks import DEFAULT_TEXTS
-from emit import emit, machine
 
 
 def log(*args) -> None:

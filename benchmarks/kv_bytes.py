@@ -22,10 +22,10 @@ from __future__ import annotations
 import argparse
 
 import torch
+from emit import emit
 
 from kvcache.cache.base import CacheSpec
 from kvcache.cache.registry import budget_options, layer_cache, policy_class
-from emit import emit
 
 STORAGES = ["full", "int8", "int4", "int2", "kivi4", "kivi2", "token4", "token2"]
 POLICIES = ["dense", "window", "h2o"]

@@ -36,11 +36,11 @@ import time
 from pathlib import Path
 
 import torch
+from decode import DTYPES, MODELS, allow_recompiles, build_models, free_memory, parse_device, sync  # benchmarks/decode.py
+from emit import emit
 
 import kvcache
-from decode import DTYPES, MODELS, allow_recompiles, build_models, free_memory, parse_device, sync  # benchmarks/decode.py
 from kvcache.compile import CompiledDecode
-from emit import emit
 
 POLICIES = {
     "dense": {},
@@ -185,7 +185,8 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=list(DTYPES), default=None,
                         help="default: float32 on the CPU, bfloat16 elsewhere")
     parser.add_argument("--group-size", type=int, default=0,
-                        help="time the policies this many at a time, each group with its own dense steps (default 0: all together)")
+                        help="time the policies this many at a time, each group with its own dense steps "
+                             "(default 0: all together)")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument("--out", help="also write the JSON here")
     return parser

@@ -33,13 +33,13 @@ import time
 import weakref
 from pathlib import Path
 
+import rss  # benchmarks/rss.py: the script's own folder is on the path
 import torch
+from emit import emit
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import kvcache
-import rss  # benchmarks/rss.py: the script's own folder is on the path
-from emit import emit
 
 STORAGES = ["full", "int8", "int4", "int2", "token4"]
 MODELS = {"bundled": 4096, "llama64": 32768, "llama128": 32768, "llama256": 32768}  # the longest prompt each takes

@@ -23,7 +23,8 @@ Timing: one thread (``torch.set_num_threads(1)``: the machine is shared, and one
 steadiest); runs with and without the store are interleaved, alternating which goes first, and
 medians are reported, as is the median over questions of the ratio of the two runs of one question
 (each pair runs back to back, so a change of the machine's load during the run cancels out).
-TTFT is from the ``generate`` call to the first token's callback. The requests without the store are the same whatever the question, so the shared-prefix baseline is
+TTFT is from the ``generate`` call to the first token's callback. The requests without the store
+are the same whatever the question, so the shared-prefix baseline is
 measured on every ``--baseline-every``-th question only. Output: JSON on stdout, progress on stderr.
 
     python benchmarks/prefix.py [--policies dense,h2o,sink] [--questions 16] [--turns 10]

@@ -46,16 +46,16 @@ import tempfile
 import time
 from pathlib import Path
 
+import rss  # benchmarks/rss.py: the script's own folder is on the path
 import torch
 import torch.nn.functional as F
+from decode import DTYPES, MODELS, build_models, free_memory, parse_device, peak_bytes, reset_peak, sync
+from emit import emit
 
 import kvcache
-import rss  # benchmarks/rss.py: the script's own folder is on the path
-from decode import DTYPES, MODELS, build_models, free_memory, parse_device, peak_bytes, reset_peak, sync
 from kvcache import attention
 from kvcache.cache import CacheSpec, KVCache
 from kvcache.cache.policies.dense import DenseCache
-from emit import emit
 
 CPU = torch.device("cpu")
 B, HQ, HKV, D = 1, 32, 8, 128

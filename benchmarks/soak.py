@@ -99,7 +99,7 @@ def store_soak(model, requests: int, store_bytes: int, policy: str) -> dict:
     topics = [torch.randint(3, VOCAB, (48,), generator=gen).tolist() for _ in range(8)]
     peak, entries, reused = 0, [], 0
     start = time.perf_counter()
-    for i in range(requests):
+    for _i in range(requests):
         topic = topics[int(torch.randint(0, len(topics), (1,), generator=gen))]
         prompt = preamble + topic + torch.randint(3, VOCAB, (int(torch.randint(8, 40, (1,), generator=gen)),),
                                                   generator=gen).tolist()

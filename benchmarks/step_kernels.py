@@ -36,14 +36,14 @@ import tempfile
 import time
 from pathlib import Path
 
+import quantized  # benchmarks/quantized.py: the layer geometry and its caches
 import torch
 import torch.nn.functional as F
+from decode import DTYPES, allow_recompiles, build_models, free_memory, parse_device, sync
+from emit import emit
 from torch.profiler import ProfilerActivity
 
 import kvcache
-import quantized  # benchmarks/quantized.py: the layer geometry and its caches
-from decode import DTYPES, allow_recompiles, build_models, free_memory, parse_device, sync
-from emit import emit
 from kvcache.cache.registry import check_names, parse_name, policy_class
 from kvcache.compile import captured_decode
 
@@ -125,7 +125,8 @@ def model_cases(args, device: torch.device, dtype: torch.dtype) -> dict:
                         def step(tokens, cache=cache):
                             return model.decode(tokens, cache)
                     log(f"model: {name} {mode}")
-                    out[f"{name} {mode}"] = {"cache_length": length, **profile(lambda: step(token), args.steps, device, args.top)}
+                    timed = profile(lambda: step(token), args.steps, device, args.top)  # noqa: F821 (both branches define it)
+                    out[f"{name} {mode}"] = {"cache_length": length, **timed}
                 del cache, step
                 free_memory(device)
     return {"shape": args.shape, "batch": args.batch, "prompt_tokens": args.prompt, "dtype": str(dtype).removeprefix("torch."),
@@ -203,7 +204,7 @@ def layer_cases(args, device: torch.device, dtype: torch.dtype) -> dict:
                 spans = iter(range(span - args.steps - 1, span + 1))
 
                 def growing():
-                    kg, vg, _ = layer.storage.view(next(spans))
+                    kg, vg, _ = layer.storage.view(next(spans))  # noqa: F821 (the loop's layer)
                     return F.scaled_dot_product_attention(qh, kg, vg)
 
                 out["sdpa over the full storage's slots, one more each call"] = profile(growing, args.steps, device, args.top)

@@ -25,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import time
+
 from emit import emit, machine
 
 PROMPT = "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want of a wife."

@@ -10,7 +10,8 @@ and chunked prefill. With the plugin (``--policy``, ``--cache-length``) a reques
 blocks after every step, prompt chunks included, so more requests run at a time in the same
 memory, and a prompt longer than the whole memory can be served.
 
-Reported per engine (its fastest of ``--repeats`` runs; the engines take turns): wall time from the first request added to the last one finished, output
+Reported per engine (its fastest of ``--repeats`` runs; the engines take turns): wall time from
+the first request added to the last one finished, output
 tokens/s and total (prompt + output) tokens/s, the most requests running at once and the mean
 over steps, preemptions (requests vLLM had to evict and recompute for lack of blocks), the most
 KV blocks any request held after its prompt, and the peak blocks held by one request and by the

@@ -7,10 +7,10 @@ import functools
 import json
 import re
 import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Mapping, Sequence
 
 import torch
 from safetensors import safe_open

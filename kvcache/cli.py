@@ -24,10 +24,11 @@ from .cache import budget_options
 from .cache.registry import break_even, sliding_layers, stored_as
 from .checkpoint import WEIGHTS, Tokenizer, generation_config
 from .errors import GenerationError, KVCacheError, KVCacheWarning
-from .memory import human
 from .generate import DEFAULT_PREFILL_CHUNK, generate, truncate_at_stop
+from .memory import human
 from .prefix import DEFAULT_MAX_BYTES, INDEX, PrefixStore
-from .threads import for_model as threads_for_model, set_threads
+from .threads import for_model as threads_for_model
+from .threads import set_threads
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -628,7 +629,7 @@ def _generate(args: argparse.Namespace) -> None:
         start = "the beginning-of-text token" if ids[0][:1] == [tokenizer.bos_token_id] else "its first token"
         warnings.warn(f"the prompt is empty{' (whitespace only)' if prompts[0] else ''}: the model continues from "
                       f"{start}{' and the whitespace' if prompts[0] else ''}; give a PROMPT (- reads it from stdin)",
-                      KVCacheWarning)
+                      KVCacheWarning, stacklevel=2)
     model = load(args.model, dtype=_dtype(args.dtype, args.device), device=args.device, weights=args.weights)
     threads_for_model(model)
     longest = max(map(len, ids))

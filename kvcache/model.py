@@ -12,7 +12,7 @@ the fused causal kernel directly. Module names follow the Hugging Face layout (m
 from __future__ import annotations
 
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

@@ -14,7 +14,7 @@ bitwise equal (tests/test_prefix.py).
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 

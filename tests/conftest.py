@@ -236,8 +236,16 @@ WINDOW = 8
 
 
 def _config(name: str):
-    from transformers import (Gemma2Config, Gemma3TextConfig, GptOssConfig, LlamaConfig, MistralConfig, Phi3Config,
-                              Qwen2Config, Qwen3Config)
+    from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
+        GptOssConfig,
+        LlamaConfig,
+        MistralConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     if name == "llama":
         return LlamaConfig(**_COMMON, tie_word_embeddings=False)

@@ -13,11 +13,11 @@ import time
 from pathlib import Path
 
 import torch
+from train_util import relative_errors, token_ids
 
 import kvcache
 from kvcache.train.lora import add_lora
 from kvcache.train.shard import full_state_dict, init_distributed, leave_distributed, rank_rows, shard, unwrap
-from train_util import relative_errors, token_ids
 
 
 def set_env(rank: int, world: int, port: int) -> None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import DEVICE, atol
 
 from kvcache import attention
-from conftest import DEVICE, atol
 
 
 def _reference(q, k, v, q_pos, k_pos, window=None):

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import DEVICE
+from text_checkpoint import build_text_checkpoint
 
 import kvcache
 from kvcache.checkpoint import generation_config
 from kvcache.cli import main
-from text_checkpoint import build_text_checkpoint
-from conftest import DEVICE
 
 transformers = pytest.importorskip("transformers")
 

@@ -12,11 +12,11 @@ import warnings
 
 import pytest
 import torch
+from conftest import DEVICE, HF_ATOL, build_hf_model, max_diff, random_ids
 from safetensors.torch import load_file, save_file
 
 import kvcache
 import kvcache.checkpoint
-from conftest import DEVICE, HF_ATOL, build_hf_model, max_diff, random_ids
 
 
 @pytest.fixture

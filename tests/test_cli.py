@@ -12,12 +12,12 @@ import sys
 
 import pytest
 import torch
+from text_checkpoint import build_text_checkpoint
 
 import kvcache
 from kvcache.cli import TextStream, _parser, cache_length_arg, main
 from kvcache.errors import GenerationError
 from kvcache.generate import DEFAULT_PREFILL_CHUNK, truncate_at_stop
-from text_checkpoint import build_text_checkpoint
 
 pytestmark = pytest.mark.cpu_only("the command line loads its models on the CPU by default, in this process and in subprocesses")
 

@@ -11,12 +11,12 @@ import functools
 
 import pytest
 import torch
+from conftest import DEVICE, atol, max_diff, random_ids
 from torch._dynamo.backends.common import aot_autograd
 
 import kvcache
 import kvcache.compile
 from kvcache.compile import CompiledDecode
-from conftest import DEVICE, atol, max_diff, random_ids
 
 VOCAB = 128  # the conftest llama
 

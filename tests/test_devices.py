@@ -9,13 +9,12 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import DEVICE, random_ids
 
 import kvcache
-from kvcache import devices
-from kvcache import PrefixStore
+from kvcache import PrefixStore, devices
 from kvcache.cache import CacheSpec
 from kvcache.cache.storage import make_storage
-from conftest import DEVICE, random_ids
 
 # The form of the test device that its tensors do not report: cpu:0 on the CPU, cuda on a GPU.
 OTHER_FORM = "cpu:0" if DEVICE.type == "cpu" else "cuda"

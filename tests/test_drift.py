@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import DEVICE
 
 from kvcache.cli import main
-from conftest import DEVICE
 from kvcache.drift import COMPARISONS, Setup, report, table
 
 SETUP = Setup(tokens=64, chunk=16, prefix=20, steps=4)

@@ -10,15 +10,22 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import DEVICE
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import kvcache
 from kvcache.cli import main
 from kvcache.eval.sample import chat_parts
 from kvcache.evaluate import Grid, evaluate, markdown, streaming
-from kvcache.tasks import (ANSWER_WEIGHT, PASSKEY_ANSWER_PREFIX, PASSKEY_ASK, PASSKEY_INSTRUCTION, PASSKEY_QUESTION,
-                           TaskMaker, read_texts)
-from conftest import DEVICE
+from kvcache.tasks import (
+    ANSWER_WEIGHT,
+    PASSKEY_ANSWER_PREFIX,
+    PASSKEY_ASK,
+    PASSKEY_INSTRUCTION,
+    PASSKEY_QUESTION,
+    TaskMaker,
+    read_texts,
+)
 
 transformers = pytest.importorskip("transformers")
 

@@ -7,15 +7,15 @@ import json
 
 import pytest
 import torch
+from conftest import DEVICE, HF_ATOL, atol, max_diff
+from train_util import gradients, plain_loss, relative_errors, token_ids
 
 import kvcache
-from conftest import DEVICE, HF_ATOL, atol, max_diff
 from kvcache.cli import main
 from kvcache.train.data import token_rows
-from kvcache.train.lora import add_lora, merge_lora, save_adapter
 from kvcache.train.loop import FinetuneConfig, finetune
+from kvcache.train.lora import add_lora, merge_lora, save_adapter
 from kvcache.train.save import read_config, save_checkpoint
-from train_util import gradients, plain_loss, relative_errors, token_ids
 
 peft = pytest.importorskip("peft")
 
@@ -60,7 +60,8 @@ def test_config_errors():
     with pytest.raises(ValueError, match="larger than the cache"):
         FinetuneConfig(cache_length=64, chunk=128)
     with pytest.raises(ValueError, match="shorter than one chunk"):
-        finetune(torch.nn.Linear(2, 2), torch.zeros(1, 8, dtype=torch.long, device=DEVICE), FinetuneConfig(cache_length=16, chunk=16))
+        finetune(torch.nn.Linear(2, 2), torch.zeros(1, 8, dtype=torch.long, device=DEVICE),
+                 FinetuneConfig(cache_length=16, chunk=16))
 
 
 def test_warmup_fits_the_run():

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import DEVICE, max_diff
 
 import kvcache
 from kvcache.convert import KNOWN, assemble, packaged_parts
 from kvcache.tasks import DEFAULT_TEXTS
-from conftest import DEVICE, max_diff
 
 PARTS = packaged_parts("gemma3-270m")
 pytestmark = [pytest.mark.skipif(PARTS is None, reason="the Gemma 3 270M part wheels are not installed (pip install "

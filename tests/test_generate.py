@@ -7,11 +7,11 @@ import shutil
 
 import pytest
 import torch
+from conftest import DEVICE, VOCAB, random_ids
 
 import kvcache
 from kvcache.errors import GenerationError
 from kvcache.generate import penalize_repetition, sample
-from conftest import DEVICE, VOCAB, random_ids
 
 PROMPT_LENGTHS = (1, 6, 11, 4)
 

@@ -10,14 +10,14 @@ import shutil
 
 import pytest
 import torch
+from conftest import DEVICE, HF_ATOL, max_diff, random_ids
+from gguf_util import write_gguf
 
 import kvcache
 from kvcache.checkpoint import BUNDLED_MODEL
+from kvcache.cli import main
 from kvcache.errors import CheckpointError
 from kvcache.gguf import TENSOR_TYPES
-from kvcache.cli import main
-from conftest import DEVICE, HF_ATOL, max_diff, random_ids
-from gguf_util import write_gguf
 
 pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")

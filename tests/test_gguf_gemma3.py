@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import kvcache
 from conftest import DEVICE, HF_ATOL, atol, max_diff, random_ids
 from gguf_util import sentencepiece_vocab, write_gemma3_gguf
+
+import kvcache
 
 pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")

@@ -8,11 +8,11 @@ import shutil
 
 import pytest
 import torch
+from conftest import DEVICE, random_ids
+from gguf_util import write_gpt_oss_gguf
 
 import kvcache
 from kvcache.checkpoint import BUNDLED_MODEL
-from conftest import DEVICE, atol, max_diff, random_ids
-from gguf_util import write_gpt_oss_gguf
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")

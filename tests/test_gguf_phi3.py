@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import kvcache
-from conftest import DEVICE, HF_ATOL, _COMMON, atol, max_diff, random_ids
+from conftest import _COMMON, DEVICE, HF_ATOL, atol, max_diff, random_ids
 from gguf_util import sentencepiece_vocab, write_phi3_gguf
 from test_gguf_gemma3 import PIECES
+
+import kvcache
 
 pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")

@@ -8,10 +8,10 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import CACHE_ATOL, DEVICE, HF_ATOL, HYBRID, SCORED, WINDOW, atol, max_diff, random_ids
 
 import kvcache
 from kvcache.compile import CompiledDecode
-from conftest import CACHE_ATOL, DEVICE, HF_ATOL, HYBRID, SCORED, WINDOW, atol, max_diff, random_ids
 
 ATOL = CACHE_ATOL[torch.float32]
 T = 80  # past the window many times over: chunks of 1, 7 and 64 tokens all cross it
@@ -251,8 +251,9 @@ def test_chunked_loss_through_the_rings_equals_full_backprop(model_factory, fami
 def test_chunked_loss_under_a_policy_matches_the_masked_reference(model_factory, policy):
     """A bounded cache on the global layers and rings on the sliding ones: the gradient of the
     full forward under the masks of what each layer kept (train_util.reference_loss)."""
-    from kvcache.cache.registry import budget_options
     from train_util import gradients, record_held, reference_loss, relative_errors
+
+    from kvcache.cache.registry import budget_options
 
     model = model_factory("gemma3")
     ids = random_ids(36, batch=2, seed=17)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import CACHE_ATOL, DEVICE, HF_ATOL, max_diff, random_ids
 
 import kvcache
-from conftest import CACHE_ATOL, DEVICE, HF_ATOL, max_diff, random_ids
 
 FAMILY = "phi3_longrope"
 ORIGINAL = 32  # the tiny model's original context

@@ -9,10 +9,10 @@ import warnings
 
 import pytest
 import torch
+from conftest import DEVICE, FAMILIES, HF_ATOL, HIDDEN, TIED, VOCAB, atol, max_diff, random_ids
 
 import kvcache
 from kvcache.rope import rope_angles
-from conftest import DEVICE, FAMILIES, HF_ATOL, HIDDEN, TIED, VOCAB, max_diff, random_ids, atol
 
 
 @pytest.mark.parametrize("family", FAMILIES)

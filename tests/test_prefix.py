@@ -16,8 +16,8 @@ from kvcache.prefill import prefill
 from kvcache.prefix import INDEX, PrefixStore, PrefixStoreError
 
 sys.path.insert(0, str(Path(__file__).parent / "cache"))
-from policy_util import build_tiny  # noqa: E402
 from conftest import DEVICE, atol
+from policy_util import build_tiny  # noqa: E402
 
 VOCAB = 64
 CHUNK = 32

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import kvcache
 from kvcache.prefill import prefill
 from kvcache.prefix import INDEX, LOCK, PrefixStore, PrefixStoreError, _locked
-import kvcache
 
 sys.path.insert(0, str(Path(__file__).parent / "cache"))
 from policy_util import build_tiny  # noqa: E402

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import atol
 
 import kvcache
-from conftest import atol
 from kvcache.cli import _parser
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -12,13 +12,12 @@ import math
 
 import pytest
 import torch
+from conftest import CACHE_ATOL, DEVICE, HF_ATOL
 
 import kvcache
 from kvcache.checkpoint import BUNDLED_MODEL
 from kvcache.cli import main
 from kvcache.tasks import TaskMaker, read_texts
-
-from conftest import DEVICE, CACHE_ATOL, HF_ATOL
 
 transformers = pytest.importorskip("transformers")
 

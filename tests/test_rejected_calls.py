@@ -13,9 +13,9 @@ import re
 
 import pytest
 import torch
+from conftest import DEVICE, VOCAB, random_ids
 
 import kvcache
-from conftest import DEVICE, VOCAB, random_ids
 
 # Every registered policy at full precision, and a few at quantized storages.
 POLICIES = sorted(kvcache.policies()) + ["dense:int8", "window:int8", "h2o:int8", "snapkv:kivi4"]

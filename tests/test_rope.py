@@ -5,12 +5,12 @@ from __future__ import annotations
 import math
 
 import torch
+from conftest import DEVICE
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcache.config import RopeConfig
 from kvcache.rope import apply_rope, inverse_frequencies, rope_angles
-from conftest import DEVICE
 
 D = 16
 # Frequencies are computed on the CPU (as the model computes them); the rotations run on the test device.

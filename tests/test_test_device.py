@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import DEVICE, DEVICE_VARIABLE, random_ids
 
 SUBPROCESS = pytest.mark.cpu_only("runs pytest in a subprocess with CUDA hidden")

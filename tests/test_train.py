@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import DEVICE, FAMILIES, random_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from train_util import gradients, plain_loss, relative_errors
 
 import kvcache
-from conftest import DEVICE, FAMILIES, random_ids
-from train_util import gradients, plain_loss, relative_errors
 
 REL_TOL = 1e-5
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from train_util import gradients, policy_heads, record_held, reference_loss, relative_errors, tiny_model, token_ids
 
 import kvcache
 from kvcache.cache.registry import budget_options
-from train_util import gradients, policy_heads, record_held, reference_loss, relative_errors, tiny_model, token_ids
 
 REL_TOL = 1e-5
 EVICTING = sorted(name for name in kvcache.policies() if name != "dense")

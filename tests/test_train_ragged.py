@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import DEVICE
+from train_util import gradients, relative_errors, tiny_model, token_ids
 
 import kvcache
-from train_util import gradients, relative_errors, tiny_model, token_ids
-from conftest import DEVICE
 
 REL_TOL = 1e-5
 LENGTHS = (23, 9, 16)
@@ -61,7 +61,8 @@ def test_padding_would_matter_without_the_rule(model):
     ([torch.arange(3, 9, device=DEVICE), torch.arange(3, 4, device=DEVICE)], {}, "row 1 has 1"),
     ([torch.arange(3, 9, device=DEVICE), torch.ones(4, device=DEVICE)], {}, "row 1 must be a 1-D integer tensor"),
     ([torch.arange(3, 9, device=DEVICE)], dict(labels=torch.arange(3, 9, device=DEVICE)[None]), "labels must be a list"),
-    ([torch.arange(3, 9, device=DEVICE)], dict(weights=[torch.ones(5, device=DEVICE)]), r"weights\[0\] must have the shape of row 0"),
+    ([torch.arange(3, 9, device=DEVICE)], dict(weights=[torch.ones(5, device=DEVICE)]),
+     r"weights\[0\] must have the shape of row 0"),
 ])
 def test_ragged_errors(model, rows, kwargs, message):
     labels = kwargs.pop("labels", None)

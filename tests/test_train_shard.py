@@ -13,14 +13,14 @@ import sys
 import time
 
 import pytest
+import shard_util
 import torch
 import torch.multiprocessing as mp
+from conftest import HF_ATOL, max_diff
+from train_util import gradients, relative_errors, tiny_model, token_ids
 
 import kvcache
-import shard_util
-from conftest import HF_ATOL, max_diff
 from kvcache.cli import main
-from train_util import gradients, relative_errors, tiny_model, token_ids
 
 REL_TOL = 1e-5
 

@@ -31,8 +31,8 @@ from .. import devices
 from ..errors import CapacityError
 from ..parts.scores import Scores
 from . import snapshot as snapshots
-from .positions import MAX_POSITIONS
 from .options import NoOptions
+from .positions import MAX_POSITIONS
 from .snapshot import Snapshot, check_tensors, storage_buffers
 
 if TYPE_CHECKING:  # storage.py builds on this module

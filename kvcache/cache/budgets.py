@@ -11,7 +11,7 @@ give up slots to heads whose attention is spread (Ada-KV, Feng et al. 2024).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

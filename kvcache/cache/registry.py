@@ -18,7 +18,7 @@ import importlib
 import inspect
 import pkgutil
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -451,7 +451,8 @@ def _check_reserve(cls: type[LayerCache], reserve: object, smallest: int) -> Non
         raise ValueError(
             f"reserve does not apply to the {cls.name} policy, which "
             + ("never evicts" if not cls.evicts else "keeps the newest tokens in a ring that is always full")
-            + f" (reserve applies to scoring policies: {', '.join(n for n, c in sorted(_POLICIES.items()) if c.supports_reserve)})"
+            + " (reserve applies to scoring policies: "
+            + f"{', '.join(n for n, c in sorted(_POLICIES.items()) if c.supports_reserve)})"
         )
     if reserve >= smallest:
         raise ValueError(

@@ -16,9 +16,9 @@ which is the only difference from running the caches one after another.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Sequence
 
 import torch
 

@@ -36,13 +36,13 @@ import hashlib
 import json
 import re
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Mapping, Sequence
 
 import torch
 
-from ..cache.registry import budget_options, make_cache, policy_class, reconstructs
 from ..cache.base import KVCache
+from ..cache.registry import budget_options, make_cache, policy_class, reconstructs
 from ..cache.rows import Rows
 from ..checkpoint import WEIGHTS
 from ..generate import greedy
@@ -89,7 +89,7 @@ class Bench:
 
     @classmethod
     def make(cls, benchmark: str = "ruler", texts: str | None = None, dataset: str | None = None,
-             metric: str | None = None, chat: bool = False, weights: str = "full") -> "Bench":
+             metric: str | None = None, chat: bool = False, weights: str = "full") -> Bench:
         digest = ds.file_hash(dataset) if dataset is not None else ""
         return cls(benchmark, texts, dataset, metric, chat, digest, weights)
 

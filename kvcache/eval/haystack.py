@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import re
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 from ..tasks import DEFAULT_TEXTS
@@ -59,7 +59,7 @@ def noise_lines(n: int) -> list[str]:
     return lines
 
 
-@lru_cache(maxsize=None)
+@cache
 def word_list(kind: str) -> tuple[str, ...]:
     """``nouns``, ``adjectives`` or ``verbs``: one word a line, as packaged."""
     path = WORDS_DIR / f"{kind}.txt"
@@ -74,7 +74,7 @@ def key_word(rng) -> str:
     return f"{adjectives[a]}-{nouns[n]}"
 
 
-@lru_cache(maxsize=None)
+@cache
 def common_words() -> tuple[str, ...]:
     """RULER's cwe vocabulary: nouns, adjectives and verbs, sorted, without repeats."""
     return tuple(sorted(set(word_list("nouns") + word_list("adjectives") + word_list("verbs"))))

@@ -14,8 +14,8 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter, deque
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 from tqdm import tqdm

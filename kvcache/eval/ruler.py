@@ -29,8 +29,8 @@ import math
 import random
 import string
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from . import haystack as hs
 from .sample import Sample, encode

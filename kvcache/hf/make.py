@@ -3,7 +3,7 @@ model's attention to kvcache's."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -170,7 +170,7 @@ class Int4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, group={GROUP}"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _halves(B: int) -> torch.Tensor:
     """The nibble of each row where a block's first B/2 rows are its bytes' low nibbles and the
     rest their high ones: row r < B/2 at nibble 2r, row B/2 + r at 2r + 1."""
@@ -192,7 +192,7 @@ def _kernel_layout(codes: torch.Tensor) -> torch.Tensor:
     return _pack_for_kernel(_unpack(codes))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _nibble_of_row(out_features: int) -> torch.Tensor | None:
     """Where the kernel lays out a matrix of ``out_features`` rows in blocks of B rows, each
     block holding the B codes of input channel 0, then the B of channel 1, ..., always in the same

@@ -27,7 +27,7 @@ twice): 4 KB a token on the bundled model, where full backprop keeps about 210 K
 from __future__ import annotations
 
 import warnings
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F

@@ -16,8 +16,8 @@ from ..cache.registry import make_cache
 from ..checkpoint import BUNDLED_MODEL, load, load_tokenizer
 from ..threads import for_model as threads_for_model
 from .data import token_rows
-from .lora import DEFAULT_TARGETS, add_lora, is_lora, merge_lora, save_adapter
 from .loop import FinetuneConfig, check_rows, describe, finetune
+from .lora import DEFAULT_TARGETS, add_lora, is_lora, merge_lora, save_adapter
 from .save import read_config, save_checkpoint
 from .shard import full_state_dict, init_distributed, leave_distributed
 from .step import base_model

@@ -5,8 +5,8 @@ stream, and the stream is cut into rows of ``seq_len`` tokens (the remainder is 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Iterator, Sequence
 
 import torch
 

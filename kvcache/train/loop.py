@@ -9,9 +9,9 @@ import json
 import math
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -19,7 +19,6 @@ from tqdm import tqdm
 from ..errors import KVCacheWarning
 from .chunked import chunked_loss
 from .shard import SHARDINGS, grad_norm, rank_rows, shard
-
 
 # Warm-up steps when a config does not say (capped at a tenth of its steps).
 DEFAULT_WARMUP = 10

@@ -30,10 +30,10 @@ from vllm.v1.attention.backends.cpu_attn import (
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, SlidingWindowSpec
 
 from .config import ROTARY, ConfigError, PluginConfig, parse
-from .state import BATCH, ENGINE
 from .rule import request_rule
 from .scoring import Work, after_step, needed, parts
 from .spec import KVCacheAttentionSpec
+from .state import BATCH, ENGINE
 
 
 @dataclasses.dataclass(frozen=True)

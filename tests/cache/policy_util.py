@@ -14,9 +14,9 @@ import os
 from pathlib import Path
 
 import torch
+from conftest import CACHE_ATOL, DEVICE
 
 import kvcache
-from conftest import CACHE_ATOL, DEVICE
 from kvcache import attention
 from kvcache.cache.evicting import EvictingCache
 from kvcache.cache.ring import RingCache

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import DEVICE, random_ids
+
 from kvcache import make_cache
 from kvcache.eval.shared import record
 

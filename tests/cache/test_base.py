@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import DEVICE, random_ids
 
 import kvcache
-from conftest import DEVICE, random_ids
 
 
 @pytest.fixture

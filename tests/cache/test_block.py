@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from policy_util import EXACT_ATOL, AttentionRecorder, feed, ids_for, kept, max_diff, visible_sets
 
 import kvcache
-from policy_util import EXACT_ATOL, AttentionRecorder, feed, ids_for, kept, max_diff, visible_sets
 
 ATOL = EXACT_ATOL[torch.float32]
 VOCAB = 128  # the conftest llama
@@ -87,7 +87,7 @@ def test_kept_positions_are_whole_blocks(llama, name, reserve):
         nonlocal before, evicted
         lengths = cache.lengths.tolist()
         now = [[kept(layer, b) for b in range(2)] for layer in cache.layers]
-        for i, layer in enumerate(cache.layers):
+        for i, _layer in enumerate(cache.layers):
             for b, L in enumerate(lengths):
                 for h, held in enumerate(now[i][b]):
                     where = f"layer {i} row {b} head {h} length {L}: {held}"

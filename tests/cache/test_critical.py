@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import DEVICE
+from policy_util import kept
 
 import kvcache
 from kvcache.cache.policies.critical import projected_value_norms
-from policy_util import kept
-from conftest import DEVICE
 
 
 def test_projected_value_norms_are_the_l1_norms_of_v_times_wo():

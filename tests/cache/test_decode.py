@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import atol, max_diff, random_ids
 
 import kvcache
-from conftest import atol, max_diff, random_ids
 from kvcache.cache import Step
 from kvcache.cache.registry import budget_options
 

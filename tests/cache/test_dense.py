@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import CACHE_ATOL, DEVICE, FAMILIES, VOCAB, atol, max_diff, random_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvcache
-from conftest import DEVICE, CACHE_ATOL, FAMILIES, VOCAB, max_diff, random_ids, atol
 
 ATOL = CACHE_ATOL[torch.float32]
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import DEVICE, atol
+from policy_util import ids_for, kept
 
 import kvcache
-from policy_util import ids_for, kept
-from conftest import DEVICE, atol
 
 VOCAB = 128
 

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import kvcache
-from kvcache.cache.policies.h2o import H2OCache, H2OOptions
 from policy_util import (
     EXACT_ATOL,
     LayerHarness,
@@ -18,6 +15,9 @@ from policy_util import (
     stream,
     torch_threads,
 )
+
+import kvcache
+from kvcache.cache.policies.h2o import H2OCache, H2OOptions
 
 ATOL = EXACT_ATOL[torch.float32]
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import DEVICE
+from policy_util import kept
 
 import kvcache
-from policy_util import kept
-from conftest import DEVICE
 
 VOCAB = 128
 

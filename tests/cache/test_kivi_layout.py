@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import random_ids
 
 import kvcache
-from conftest import random_ids
 from kvcache.cache.registry import budget_options
 from kvcache.kernels import CHANNEL
 

@@ -5,13 +5,13 @@ path that seals a group (a chunk, decode steps, a keep) and the one that moves a
 from __future__ import annotations
 
 import torch
+from conftest import DEVICE
 
 from kvcache.cache import CacheSpec
 from kvcache.cache.storage import in_place, make_storage
 from kvcache.cache.storages.kivi import CHANNEL_MARK, KiviStorage
 from kvcache.kernels import CHANNEL, RESIDUAL, TOKEN, blocked
 from kvcache.quant.codes import MIN_TOKEN_SCALE, encode_tokens, key_clip, quantize, quantize_scaled, unpack
-from conftest import DEVICE
 
 
 def _store(name="kivi2/16", D=16, H=2, C=64, B=1) -> KiviStorage:
@@ -112,7 +112,7 @@ def test_kivi2_keep_moves_and_reseals_keys_with_their_scales():
     (its own scale included); placed in place, the groups are sealed again with new tokens, every
     key scaled by its own (a kept key keeps the one it had: sealing again does not drift), within
     the reach of 2-bit codes of what was written."""
-    C, G, D = 64, 16, 16
+    C, _G, D = 64, 16, 16
     gen = torch.Generator().manual_seed(3)
     x = _keys(gen, 1, 2, C, D)
     new = _keys(gen, 1, 2, 16, D)

@@ -7,12 +7,12 @@ import copy
 
 import pytest
 import torch
+from conftest import DEVICE, max_diff
+from policy_util import EXACT_ATOL
 
 import kvcache
-from conftest import DEVICE, max_diff
 from kvcache import kvzip
 from kvcache.rope import apply_rope
-from policy_util import EXACT_ATOL
 
 REPEAT = [5, 9, 17, 33]
 

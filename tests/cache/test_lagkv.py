@@ -4,11 +4,11 @@ transcription of the rule on the keys and values a dense cache holds."""
 from __future__ import annotations
 
 import torch
+from conftest import DEVICE
+from policy_util import kept
 
 import kvcache
 from kvcache.cache.policies.lagkv import lag_scores
-from policy_util import kept
-from conftest import DEVICE
 
 
 def reference(k: torch.Tensor, v: torch.Tensor, sinks: int, lag: int) -> torch.Tensor:

@@ -18,10 +18,9 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import DEVICE, atol
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-import kvcache
 from policy_util import (
     EXACT_ATOL,
     AttentionRecorder,
@@ -32,10 +31,10 @@ from policy_util import (
     ids_for,
     kept,
     max_diff,
-    nudged,
     visible_sets,
 )
-from conftest import DEVICE, atol
+
+import kvcache
 
 ATOL = EXACT_ATOL[torch.float32]
 VOCAB = 128  # the conftest llama

@@ -7,10 +7,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from policy_util import build_tiny, ids_for, kept
 
 import kvcache
 from kvcache.cache import layer_budgets
-from policy_util import build_tiny, ids_for, kept
 
 POLICY_NAMES = {"dense", "window", "sink", "h2o", "tova", "snapkv"}
 DEFAULTS = {

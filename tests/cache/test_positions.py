@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import DEVICE
+from policy_util import feed
 
 import kvcache
 from kvcache.cache import positions
@@ -14,8 +16,6 @@ from kvcache.cache.positions import MAX_POSITIONS, position_dtype
 from kvcache.cache.snapshot import Snapshot
 from kvcache.cache.storage import make_storage
 from kvcache.errors import CapacityError
-from policy_util import feed
-from conftest import DEVICE
 
 C = 12
 BEFORE = [[10, 8], [3, 3], [1, 1], [1, 1], [1, 1]]

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import DEVICE
+from policy_util import EXACT_ATOL, build_tiny, ids_for, kept, max_diff
 
 import kvcache
 from kvcache.cache import CacheSpec, KVCache
 from kvcache.cache.policies.qh2o import QH2OCache, QH2OOptions
-from policy_util import EXACT_ATOL, build_tiny, ids_for, kept, max_diff
-from conftest import DEVICE
 
 ATOL = EXACT_ATOL[torch.float32]
 

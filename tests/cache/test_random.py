@@ -4,10 +4,10 @@ RandomPress does; another seed keeps other tokens."""
 from __future__ import annotations
 
 import torch
+from conftest import DEVICE
+from policy_util import kept
 
 import kvcache
-from policy_util import kept
-from conftest import DEVICE
 
 
 def test_a_prompt_keeps_the_top_draws_of_the_seeded_generator(llama):

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import DEVICE
+from policy_util import EXACT_ATOL, feed, ids_for, kept, max_diff
 
 import kvcache
 from kvcache import attention
-from policy_util import EXACT_ATOL, feed, ids_for, kept, max_diff
-from conftest import DEVICE
 
 ATOL = EXACT_ATOL[torch.float32]
 VOCAB = 128  # the conftest llama

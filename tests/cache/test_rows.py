@@ -10,9 +10,9 @@ import copy
 
 import pytest
 import torch
+from conftest import atol, max_diff, random_ids
 
 import kvcache
-from conftest import DEVICE, atol, max_diff, random_ids
 from kvcache.cache import KVCache, Rows
 from kvcache.errors import CapacityError
 

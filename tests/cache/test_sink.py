@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-import kvcache
 from policy_util import (
     EXACT_ATOL,
     AttentionRecorder,
@@ -24,6 +22,8 @@ from policy_util import (
     torch_threads,
     visible_sets,
 )
+
+import kvcache
 
 ATOL = EXACT_ATOL[torch.float32]
 C, SINKS, PREFILL, DECODE = 16, 4, 40, 50

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import DEVICE
+from policy_util import EXACT_ATOL, LayerHarness, build_tiny, ids_for, kept, max_diff
 
 import kvcache
 from kvcache.cache.policies.snapkv import SnapKVCache, SnapKVOptions
-from policy_util import EXACT_ATOL, LayerHarness, build_tiny, ids_for, kept, max_diff
-from conftest import DEVICE
 
 ATOL = EXACT_ATOL[torch.float32]
 

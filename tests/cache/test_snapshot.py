@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import DEVICE
+from policy_util import feed
 
 import kvcache
-from policy_util import feed
-from conftest import DEVICE
 
 C = 12
 # Ragged prefill, then decode steps past the budget (sink's renumbered decode keeps its sinks

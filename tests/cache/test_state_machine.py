@@ -27,15 +27,14 @@ import os
 
 import pytest
 import torch
+from conftest import DEVICE
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
-                                 run_state_machine_as_test)
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+from policy_util import EXACT_ATOL, build_tiny, check_storage, max_diff
 
 import kvcache
 from kvcache.errors import CapacityError
-from policy_util import EXACT_ATOL, build_tiny, check_storage, max_diff
-from conftest import DEVICE
 
 VOCAB = 64
 ROWS = 2

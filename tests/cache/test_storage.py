@@ -5,23 +5,22 @@ names and bad input."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
+from conftest import DEVICE
+from policy_util import check_storage, feed, feed_alone, ids_for, max_diff, nudged
 
 import kvcache
 from kvcache import attention
 from kvcache.cache import CacheSpec
-from kvcache.quant.codes import KEY_CLIP, decode_tokens, encode_tokens, key_clip, quantize, quantize_scaled, unpack
+from kvcache.cache.storage import STORAGES, in_place, make_storage, parse_storage
 from kvcache.cache.storages import kivi as kivi_module
+from kvcache.cache.storages.full import FullStorage
 from kvcache.cache.storages.kivi import KiviStorage
 from kvcache.cache.storages.token import TokenStorage
-from kvcache.cache.storage import STORAGES, in_place, make_storage, parse_storage
-from kvcache.cache.storages.full import FullStorage
 from kvcache.cli import main
 from kvcache.kernels import CHANNEL, RESIDUAL, TOKEN, PackedKeys, PackedValues, fused
-from policy_util import check_storage, feed, feed_alone, ids_for, max_diff, nudged
-from conftest import DEVICE
+from kvcache.quant.codes import KEY_CLIP, decode_tokens, encode_tokens, key_clip, quantize, quantize_scaled, unpack
 
 CPU = DEVICE  # the test device (the name predates it)
 ALL = list(STORAGES)
@@ -59,7 +58,8 @@ def test_storage_contract(name, seed):
     nbytes counts every buffer; reset empties every slot."""
     B, H, D, C = 2, 2, 16, 12
     gen = torch.Generator().manual_seed(seed)
-    rand = lambda *shape: (1.5 * torch.randn(*shape, generator=gen) + torch.randn(*shape[:-1], 1, generator=gen)).to(DEVICE)
+    def rand(*shape):
+        return (1.5 * torch.randn(*shape, generator=gen) + torch.randn(*shape[:-1], 1, generator=gen)).to(DEVICE)
     store = make_storage(spec(D=D, H=H, C=C, B=B, storage=name), per_head=True)
     assert store.k.shape[2] == C + 1 and store.pos.shape == (B, H, C + 1)
     assert store.nbytes() == sum(t.numel() * t.element_size() for t in tensors(store).values())

@@ -9,9 +9,9 @@ import copy
 
 import pytest
 import torch
+from conftest import DEVICE, random_ids
 
 import kvcache
-from conftest import DEVICE, random_ids
 from kvcache.cache.registry import break_even, stored_as
 from kvcache.cli import main
 from kvcache.memory import human

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from policy_util import EXACT_ATOL, LayerHarness, ids_for, kept, max_diff
 
 import kvcache
 from kvcache.cache.policies.tova import TOVACache
-from policy_util import EXACT_ATOL, LayerHarness, ids_for, kept, max_diff
 
 ATOL = EXACT_ATOL[torch.float32]
 

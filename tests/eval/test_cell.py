@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kvcache
 from kvcache import kvzip
 from kvcache.eval.cell import Bench, Cell, make_cell_cache, run_cell
 from kvcache.eval.sample import encode

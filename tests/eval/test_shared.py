@@ -9,8 +9,8 @@ import copy
 
 import pytest
 import torch
-
 from conftest import DEVICE
+
 from kvcache.eval import ruler
 from kvcache.eval.cell import Bench, Cell, answer, answers, make_cell_cache, run_cell, run_cells, saturated
 from kvcache.eval.sample import Sample, encode

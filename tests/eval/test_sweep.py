@@ -7,12 +7,12 @@ import json
 
 import pytest
 import torch
+from conftest import DEVICE
 
 import kvcache
 from kvcache.eval import leaderboard, sweep
 from kvcache.eval.cell import Bench, Cell, make_cell_cache, run_cell
 from kvcache.eval.sample import encode
-from conftest import DEVICE
 
 BENCH = Bench.make("ruler")
 

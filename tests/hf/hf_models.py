@@ -11,10 +11,10 @@ import zlib
 
 import pytest
 import torch
+from conftest import _COMMON, DEVICE, FAMILIES, HIDDEN, SCORED, VOCAB, build_hf_model
 
 import kvcache.hf
 from kvcache.hf import cache_kwargs
-from conftest import DEVICE, FAMILIES, HIDDEN, SCORED, VOCAB, _COMMON, build_hf_model
 
 # Families kvcache does not implement, whose attention goes through transformers' interface.
 # granite scales its scores by attention_multiplier, not 1/sqrt(head_dim).

@@ -8,10 +8,10 @@ import warnings
 
 import pytest
 import torch
-
-import kvcache.hf
 from conftest import DEVICE, random_ids
 from hf_models import build
+
+import kvcache.hf
 from kvcache.hf import compat
 
 

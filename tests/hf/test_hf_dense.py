@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from conftest import CACHE_ATOL, DEVICE, HYBRID, SCORED, max_diff, random_ids
+from hf_models import OTHER_FAMILIES, build, greedy, left_pad, make
 
 import kvcache.hf
 from kvcache.hf import cache_kwargs
-from conftest import DEVICE, CACHE_ATOL, HYBRID, SCORED, max_diff, random_ids
-from hf_models import OTHER_FAMILIES, build, greedy, left_pad, make
 
 ATOL = CACHE_ATOL[torch.float32]
 NEW = 64

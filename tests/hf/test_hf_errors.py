@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import CACHE_ATOL, DEVICE, max_diff, random_ids
+from hf_models import build, greedy, left_pad
 
 import kvcache
 import kvcache.hf
 from kvcache.hf import cache_kwargs
-from conftest import DEVICE, CACHE_ATOL, max_diff, random_ids
-from hf_models import build, greedy, left_pad
 from kvcache.hf.compat import CACHE_ARG, check
 
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import DEVICE, WINDOW, random_ids
+from hf_models import feed_both, make
 
 import kvcache
 import kvcache.hf
-from conftest import DEVICE, WINDOW, random_ids
-from hf_models import feed_both, make
 
 SCHEDULE = [12, 9, 9] + [1] * 10  # a 30-token prompt in chunks, then decode steps
 BUDGET = 12

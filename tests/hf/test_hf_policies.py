@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import CACHE_ATOL, DEVICE, max_diff, random_ids
+from hf_models import feed_both, greedy, left_pad, make
 
 import kvcache
 import kvcache.hf
-from conftest import DEVICE, CACHE_ATOL, max_diff, random_ids
-from hf_models import feed_both, greedy, left_pad, make
 
 POLICIES = sorted(kvcache.policies())
 # Storage composes with every policy; one quantized variant of each kind of eviction.

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import DEVICE
 
 import kvcache
 from kvcache import attention
 from kvcache.cache import CacheSpec
 from kvcache.cache.storage import make_storage
 from kvcache.kernels import CHANNEL, RESIDUAL, TOKEN, PackedKeys, PackedValues, blocked
-from conftest import DEVICE
 
 CPU = DEVICE  # the test device (the name predates it)
 ATOL = 2e-5  # float32: scales folded into queries and weights instead of applied to the codes
@@ -38,8 +38,10 @@ def filled(name: str, B=2, H=2, D=16, C=30, per_head=True, seed=0, device=CPU):
     spec = CacheSpec(batch_size=B, num_kv_heads=H, head_dim=D, cache_length=C, dtype=torch.float32, device=device,
                      storage=name)
     store = make_storage(spec, per_head=per_head)
-    x = lambda T: (1.5 * torch.randn(B, H, T, D, generator=gen) + torch.randn(B, H, T, 1, generator=gen)).to(device)
-    at = lambda rows: torch.tensor(rows, device=device)
+    def x(T):
+        return (1.5 * torch.randn(B, H, T, D, generator=gen) + torch.randn(B, H, T, 1, generator=gen)).to(device)
+    def at(rows):
+        return torch.tensor(rows, device=device)
     store.write_slice(0, x(13), x(13), torch.arange(13, device=device).expand(B, 13))
     for t in range(13, 22):
         store.write_slice(t, x(1), x(1), at([[t]] * B))
@@ -175,7 +177,8 @@ def test_nothing_decodes_a_whole_cache(llama, monkeypatch, policy):
     recorded = lambda c, bits, work=None: largest.append(c.shape[2]) or real(c, bits, work)  # noqa: E731
     monkeypatch.setattr(packed, "as_float", recorded)
     monkeypatch.setattr(blocked, "as_float", recorded)
-    cache = kvcache.make_cache(llama, policy, cache_length=180 if policy.startswith("dense") else 160, **({"recent": 8} if "h2o" in policy else {}))
+    cache = kvcache.make_cache(llama, policy, cache_length=180 if policy.startswith("dense") else 160,
+                               **({"recent": 8} if "h2o" in policy else {}))
     ids = torch.randint(3, 128, (1, 180), generator=torch.Generator().manual_seed(5)).to(DEVICE)
     with torch.inference_mode():
         llama(ids[:, :130], cache)

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import CACHE_ATOL, DEVICE, max_diff, random_ids
 
 import kvcache
 from kvcache import attention
 from kvcache.cache import CacheSpec
 from kvcache.cache.storage import make_storage
 from kvcache.kernels import PackedKeys, attend_decoded, fused
-from conftest import CACHE_ATOL, DEVICE, max_diff, random_ids
 
 CPU_ONLY_FOLD = DEVICE.type != "cpu"  # off the CPU the span is one block: nothing is folded
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import DEVICE
+
 from kvcache.kernels.sdpa import sdpa
 
 

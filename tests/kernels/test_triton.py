@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import DEVICE, atol
 
 # On the CPU, tests/conftest.py has set TRITON_INTERPRET before anything imported triton.
 pytest.importorskip("triton")
 
+from test_blocked import filled  # noqa: E402
+
 import kvcache  # noqa: E402
 from kvcache import kernels  # noqa: E402
 from kvcache.kernels import blocked, triton_decode  # noqa: E402
-from test_blocked import filled  # noqa: E402
 
 ATOL = 1e-5
 

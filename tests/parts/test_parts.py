@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import DEVICE, atol, max_diff
 
 from kvcache.config import ModelConfig
 from kvcache.parts.mlp import MLP
 from kvcache.parts.norm import GemmaRMSNorm, RMSNorm, make_norm
-from conftest import DEVICE, atol, max_diff
 
 transformers = pytest.importorskip("transformers")
 
@@ -21,7 +21,7 @@ def _pair(ours, theirs, dtype):
     into theirs, both in ``dtype`` on the test device."""
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
-        for name, p in ours.named_parameters():
+        for _name, p in ours.named_parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.3 + (1.0 if isinstance(ours, RMSNorm) else 0.0))
         theirs.load_state_dict(ours.state_dict(), strict=True)
     return ours.to(DEVICE, dtype), theirs.to(DEVICE, dtype)

@@ -9,12 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import DEVICE, atol, max_diff
 
 from kvcache import attention
 from kvcache.config import ModelConfig
 from kvcache.parts.experts import Experts
 from kvcache.parts.scores import Scores
-from conftest import DEVICE, atol, max_diff
 
 transformers = pytest.importorskip("transformers")
 

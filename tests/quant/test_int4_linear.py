@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import atol, max_diff, random_ids
 from torch import nn
 
 import kvcache
 from kvcache.quant.int4_linear import GROUP, KERNEL_MAX_ROWS, Int4Linear
-
-from conftest import atol, max_diff, random_ids
 
 pytestmark = pytest.mark.cpu_only("int4 weights run on torch's CPU int4 kernel only")
 

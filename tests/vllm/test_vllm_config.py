@@ -28,8 +28,10 @@ def test_a_good_configuration_is_kept_as_given():
     ("sink", "expected an object such as"),
     ({"cache_length": 64}, "'policy' .* is required"),
     ({"policy": "nope", "cache_length": 64}, "unknown policy 'nope'; available: .*sink"),
-    ({"policy": "sink:int8", "cache_length": 64}, "'sink:int8': vLLM keeps keys and values in its own format; name the policy alone"),
-    ({"policy": "lagkv", "cache_length": 64}, "policy 'lagkv' is not supported in vLLM yet \\(supported: window, sink, snapkv, tova, knorm, keydiff, h2o, expected_attention\\)"),
+    ({"policy": "sink:int8", "cache_length": 64},
+     "'sink:int8': vLLM keeps keys and values in its own format; name the policy alone"),
+    ({"policy": "lagkv", "cache_length": 64}, "policy 'lagkv' is not supported in vLLM yet \\(supported: window, sink, "
+     "snapkv, tova, knorm, keydiff, h2o, expected_attention\\)"),
     ({"policy": "window"}, "'cache_length' .* is required"),
     ({"policy": "window", "cache_length": 0.5}, "'cache_length' .* got 0.5"),
     ({"policy": "window", "cache_length": True}, "'cache_length' .* got True"),

@@ -29,12 +29,20 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.exceptions import VLLMValidationError  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
+from vllm_models import (  # noqa: E402
+    BLOCK,
+    BLOCK_BYTES,
+    NEW_TOKENS,
+    POLICIES,
+    PROMPT_LENGTHS,
+    VOCAB,
+    build,
+    kvcache_tokens,
+    prompts,
+)
 
 from kvcache.vllm.config import ConfigError  # noqa: E402
 from kvcache.vllm.manager import KVCacheBlockManager  # noqa: E402
-from vllm_models import (  # noqa: E402
-    BLOCK, BLOCK_BYTES, NEW_TOKENS, POLICIES, PROMPT_LENGTHS, VOCAB, build, kvcache_tokens, prompts,
-)
 
 pytestmark = pytest.mark.cpu_only("vLLM's CPU build")
 
@@ -373,7 +381,8 @@ def test_request_options_checked_where_the_engine_is_not_known(monkeypatch):
     check({"sinks": 8, "cache_length": 64})
     check({"policy": "window", "cache_length": 64})
     for bad in ({"sink": 4}, '{"sink": 4}'):  # the object or its JSON text
-        with pytest.raises(ConfigError, match="as window: policy 'window' has no option 'sink'.*as sink: policy 'sink' has no option 'sink'"):
+        with pytest.raises(ConfigError, match="as window: policy 'window' has no option 'sink'.*"
+                                              "as sink: policy 'sink' has no option 'sink'"):
             check(bad)
     with pytest.raises(ConfigError, match="policy 'lagkv' is not supported in vLLM yet"):
         check({"policy": "lagkv"})

@@ -36,7 +36,8 @@ POLICIES = {
 
 def build(name: str, path: Path) -> Path:
     """Save a tiny random ``name`` ("llama", "qwen2", "qwen3" or "gemma3") model into ``path``:
-    fp32, two layers (Gemma 3: three, the middle one global), 4 query and 2 K/V heads of size 32; queries and keys scaled up so that attention is
+    fp32, two layers (Gemma 3: three, the middle one global), 4 query and 2 K/V heads of size 32;
+    queries and keys scaled up so that attention is
     peaked and what a policy evicts shows in the tokens."""
     import transformers
 

@@ -110,7 +110,7 @@ class KVzipCache(EvictingCache):
             prio = prio.masked_fill((c.positions >= 0) & (c.positions < self.options.sinks), PROTECTED)
         return prio
 
-    def keep_best(self, source: "KVzipCache", step: Step) -> None:
+    def keep_best(self, source: KVzipCache, step: Step) -> None:
         """Fill this empty layer from ``source``, the same layer of a cache that a reconstruction
         pass scored while keeping every token (``kvcache.kvzip.score``): its tokens are the
         candidates, ranked under this layer's budget and options, so the layer keeps what its

@@ -26,7 +26,6 @@ from ..options import option
 from ..storage import parse_storage
 from .h2o import H2OCache, H2OOptions
 
-
 SCALES = ("minmax", "rank")
 
 

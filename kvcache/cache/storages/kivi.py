@@ -27,7 +27,6 @@ from ..base import CacheSpec
 from ..slots import put
 from .token import TokenStorage, _encode_pair, _stackable
 
-
 # Queries per fused call of ``KiviStorage.attend_chunk``: their mask (queries x slots) stays small.
 CHUNK_QUERIES = 256
 # Keys (slots x K/V heads) a chunk's write quantizes per channel at a time: its temporaries (a few
