@@ -82,6 +82,17 @@ def _longrope_recompute(model: Transformer, cache: KVCache, rows: list[list[int]
     return chunk, step
 
 
+def stop_string_in_tail(tokenizer: Tokenizer, tokens: list[int], strings: Sequence[str]) -> bool:
+    """Whether the text of ``tokens`` ends a stop string with its newest token, read from the
+    newest tokens only, so that checking every step costs the same however long the answer is.
+    (An earlier occurrence would have stopped the row earlier.) Every character takes at most
+    four tokens (a character split into UTF-8 bytes), so 4 (L + 2) tokens hold the newest token's
+    text and the L + 1 characters before it, L the longest string's length."""
+    longest = max(map(len, strings))
+    text = tokenizer.decode(tokens[-4 * (longest + 2):])
+    return any(s in text for s in strings)
+
+
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     """The most likely token of each row: logits (B, vocab) -> (B,)."""
     return logits.argmax(-1)
@@ -413,7 +424,7 @@ def generate(
     def stopped(b: int, tokens: list[int]) -> bool:
         if on_token is not None:
             on_token(b, tokens[-1])
-        return tokens[-1] in stops or bool(strings and any(s in tokenizer.decode(tokens) for s in strings))
+        return tokens[-1] in stops or bool(strings and stop_string_in_tail(tokenizer, tokens, strings))
 
     try:
         decode_loop(out, next_logits, decode, max_new_tokens, pick, stopped)

@@ -361,3 +361,18 @@ def test_repetition_penalty_is_applied_to_each_rows_tokens(llama):
     prompts = _prompts(seed=12, lengths=(3, 8))
     batch = kvcache.generate(llama, prompts, max_new_tokens=10, stop_tokens=(), repetition_penalty=1.8)
     assert batch == [_penalized_greedy_reference(llama, p, 10, 1.8) for p in prompts]
+
+
+@pytest.mark.parametrize("stop", ["wife", " a single", "é —", "“q", "\n\n"])
+def test_a_stop_string_is_found_at_the_token_that_completes_it(stop):
+    """Reading the newest tokens only, the stop check fires at the first token whose text completes
+    the string, as reading the whole text would (multi-byte characters included)."""
+    from kvcache.generate import stop_string_in_tail
+
+    tokenizer = kvcache.load_tokenizer()
+    text = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, must be "
+            "in want of a wife. naïve café — “quoted”\n\n  end")
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    full = next(n for n in range(1, len(tokens) + 1) if stop in tokenizer.decode(tokens[:n]))
+    tail = next(n for n in range(1, len(tokens) + 1) if stop_string_in_tail(tokenizer, tokens[:n], [stop]))
+    assert tail == full
