@@ -18,10 +18,12 @@ import importlib
 import inspect
 import pkgutil
 import re
+import warnings
 from collections.abc import Sequence
 
 import torch
 
+from ..errors import KVCacheWarning
 from ..memory import check_fits
 from . import policies as _policy_package
 from .base import CacheSpec, KVCache, LayerCache
@@ -279,6 +281,11 @@ def break_even(model: torch.nn.Module, policy: str, *, batch_size: int = 1, larg
     return high
 
 
+# A share of the prompt that leaves an evicting policy fewer slots than this is warned about: a
+# cache of a handful of tokens drops nearly all of any prompt.
+FEW_SLOTS = 16
+
+
 def resolve_budget(cache_length: int | float, prompt_length: int | None) -> int:
     """A token count from ``cache_length``: an int >= 1 as it is, a float in (0, 1] as that
     fraction of ``prompt_length`` (at least one token)."""
@@ -340,6 +347,11 @@ def make_cache(
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     requested = cache_length
     tokens = resolve_budget(cache_length, prompt_length)
+    if isinstance(requested, float) and cls.evicts and tokens < FEW_SLOTS:
+        warnings.warn(
+            f"cache_length={requested} of a {prompt_length}-token prompt leaves the {policy_name} policy {tokens} "
+            f"slot{'s' if tokens != 1 else ''} per layer: it will evict nearly everything and the output may "
+            "degrade; give a larger share or a token count", KVCacheWarning, stacklevel=2)
     cfg = model.config
     check_storage(storage, cfg.head_dim)  # bits and group sizes, before any buffer is allocated
     budgets, head_budgets = _budgets(cls, tokens, cfg, allocation, head_budgets)
