@@ -649,6 +649,7 @@ def _generate(args: argparse.Namespace) -> None:
     bar = tqdm(total=total, desc="prefill", unit="tok", leave=False, file=sys.stderr,
                disable=args.quiet or longest <= args.prefill_chunk or not sys.stderr.isatty())
     clock = Clock(len(ids))
+    made: list[list[int]] = [[] for _ in ids]  # what an interrupted run has made (Ctrl-C)
 
     def on_prefill(done: int, total: int) -> None:
         bar.update(done - bar.n)
@@ -657,6 +658,7 @@ def _generate(args: argparse.Namespace) -> None:
 
     def on_token(row: int, token: int) -> None:
         clock.token(row)
+        made[row].append(token)
         if stream is not None:
             stream.push(token)
 
@@ -675,6 +677,9 @@ def _generate(args: argparse.Namespace) -> None:
         )
     except GenerationError as e:
         new, failure = e.tokens, e  # print what was made, then report the error
+    except KeyboardInterrupt:
+        # Ctrl-C: what was made is printed and summed up, then the run ends with status 130.
+        new, failure = made, KeyboardInterrupt()
     finally:
         bar.close()
     if store is not None:
@@ -695,10 +700,14 @@ def _generate(args: argparse.Namespace) -> None:
                 sys.stdout.write("\n")
             sys.stdout.write(f"==> prompt {i + 1} of {len(texts)} <==\n{text}\n")
     sys.stdout.flush()
-    if failure is not None:
+    interrupted = isinstance(failure, KeyboardInterrupt)
+    if failure is not None and not interrupted:
         raise failure
     if not args.quiet:
         _print_summary(ids, new, clock, end, cache)
+    if interrupted:
+        print(f"kvcache: interrupted after {sum(map(len, new))} new tokens", file=sys.stderr)
+        raise failure
         if store is not None:
             print(f"prompt cache {args.prompt_cache}: reused {sum(reused)} of {sum(map(len, ids))} prompt tokens; "
                   f"{len(store)} entries, {human(store.nbytes)}", file=sys.stderr)

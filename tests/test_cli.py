@@ -632,3 +632,22 @@ def test_compile_says_it_compiles_then_reports_its_time_apart(model_dir, monkeyp
     assert "compile: 2.5 s | decode: " in summary
     assert main(["generate", PROMPT, "--model", str(model_dir), "--compile", "--max-new-tokens", "4", "--quiet"]) == 0
     assert not any("compiling" in s for s in order[order.index("first token") + 1 :])
+
+
+def test_ctrl_c_prints_what_was_made_and_the_summary(model_dir, monkeypatch, capsys):
+    """An interrupted generate prints the text made so far, the summary and what happened, and ends
+    with status 130. (generate is stubbed to be interrupted after three tokens.)"""
+    import kvcache.cli as cli
+
+    def interrupted_generate(model, ids, *, on_token, on_prefill, **kwargs):
+        on_prefill(len(ids[0]), len(ids[0]))
+        for token in (5, 6, 7):
+            on_token(0, token)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "generate", interrupted_generate)
+    assert main(["generate", PROMPT, "--model", str(model_dir), "--max-new-tokens", "8"]) == 130
+    out, err = capsys.readouterr()
+    tokenizer = kvcache.load_tokenizer(model_dir)
+    assert out.strip() == tokenizer.decode([5, 6, 7]).strip()
+    assert "new tokens: 3" in err and "kvcache: interrupted after 3 new tokens" in err
