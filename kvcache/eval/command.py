@@ -32,6 +32,10 @@ DEFAULT_RULER_LENGTHS = (4096,)
 DEFAULT_SAMPLES = 5
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def out_dir(path: str, create: bool = True) -> Path:
     """``--out`` as a usable directory, or a ValueError saying what to pass. ``create``: make it
     if new; without, only check that it could be made (nothing is written)."""
@@ -159,12 +163,17 @@ def _sweep(args, kind: str, out: Path, dtype: torch.dtype | None, progress: bool
     model = load(args.model, dtype=dtype, device=args.device, weights=args.weights)
     threads_for_model(model)
     check_grid(policies, model)
+    if kind == "ruler":
+        # Every (task, length) holds its smallest sample, before anything is written.
+        source = ruler.Source(bench.texts, ds.qa_source(bench.dataset) if bench.dataset else ())
+        for task, length in dict.fromkeys((c.task, c.length) for c in cells):
+            ruler.check_fits(task, tokenizer, length, source, bench.chat)
     finished = sweep.load(Path(out), cells, bench) if args.report_only else []
     if args.report_only and not finished:
         raise ValueError(f"--report-only: none of the {len(cells)} cells is finished in {out}/cells")
     out = out_dir(str(out))  # the first thing written: after every check above
     done = len(cells) - len(sweep.pending(cells, bench, out))
-    print(f"kvcache eval: {len(cells)} cells ({done} already in {out}/cells), writing to {out}/", file=sys.stderr)
+    print(f"kvcache eval: {_count(len(cells), 'cell')} ({done} already in {out}/cells), writing to {out}/", file=sys.stderr)
     if args.report_only:
         results = finished
     elif args.ray is None:
@@ -227,7 +236,7 @@ def _passkey(args, out: Path, dtype: torch.dtype | None, progress: bool) -> None
     # Every unit of the grid is a cell written to OUT/cells/ as it finishes: a rerun resumes.
     cells, bench = passkey.plan(grid), Bench.make("passkey", texts=args.texts, chat=args.chat, weights=args.weights)
     done = len(cells) - len(sweep.pending(cells, bench, out))
-    print(f"kvcache eval: writing the report to {out}/ (--out DIR to change); {len(cells)} cells, {done} already "
+    print(f"kvcache eval: writing the report to {out}/ (--out DIR to change); {_count(len(cells), 'cell')}, {done} already "
           f"in {out}/cells", file=sys.stderr)
     if args.ray is None:
         results = sweep.run(model, tokenizer, cells, bench, out, runner=runner, progress=progress)

@@ -361,6 +361,21 @@ def make(task: str, tokenizer, length: int, seed: int = 0, index: int = 0, sourc
     return Sample(**{**found.__dict__, "info": {**found.info, "tokens": tokens}})
 
 
+def check_fits(task: str, tokenizer, length: int, source: Source = Source(), chat: bool = False) -> None:
+    """Raise the ValueError ``make`` would when even the smallest sample of ``task`` (and the
+    task's generation) takes more than ``length`` tokens, without building the full-size one: a
+    sweep checks its grid so before it writes anything."""
+    new = generation_length(task)
+    context, question, prefix, answers, info = builder(task, tokenizer, length, 0, 0, source, 0)(
+        VT_LEAST if task == "vt" else 1)
+    metric = "string_match_part" if task in QA_TASKS else "string_match_all"
+    smallest = Sample(task, 0, context, question, prefix, tuple(answers), new, metric, info)
+    tokens = len(encode(tokenizer, smallest, chat)) + new
+    if tokens > length:
+        raise ValueError(f"{task} does not fit {length} tokens even at its smallest ({tokens} tokens with "
+                         f"{new} to generate); use a longer length")
+
+
 def samples(task: str, tokenizer, length: int, count: int, seed: int = 0, source: Source = Source(),
             chat: bool = False) -> list[Sample]:
     return [make(task, tokenizer, length, seed, i, source, chat) for i in range(count)]

@@ -107,6 +107,8 @@ def test_bad_flags_are_clear_errors(tmp_path, capsys, flags, message):
     (["--benchmark", "ruler", "--policies", "dense,h2o:kivi9"], "unknown storage 'kivi9'"),
     (["--benchmark", "ruler", "--policies", "dense,h2o:token4/7", "--lengths", "512"], "must divide head_dim"),
     (["--benchmark", "ruler", "--tasks", "niah_single_1,qa_3", "--lengths", "512"], "unknown RULER task\\(s\\) qa_3"),
+    # a length the task's smallest sample does not fit
+    (["--benchmark", "ruler", "--tasks", "niah_single_1", "--lengths", "512,32"], "niah_single_1 does not fit 32 tokens"),
     # a checkpoint with no chat template, asked for conversations
     (["--benchmark", "ruler", "--chat", "--lengths", "512"], "--chat: .* has no chat template"),
     (["--chat", "--lengths", "512"], "--chat: .* has no chat template"),
