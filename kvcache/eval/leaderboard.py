@@ -31,6 +31,14 @@ def skipped(results: list[dict]) -> dict[str, str]:
     return {r["cell"]["task"]: r["skipped"] for r in results if r.get("skipped")}
 
 
+def dense_zeros(results: list[dict]) -> list[str]:
+    """The tasks on which dense, which keeps every token, scores 0 at every length: there the
+    model cannot do the task at all, so its policies' scores say nothing about the policies."""
+    dense = {key: tasks for key, tasks in table(results).items() if key[0] == "dense"}
+    tasks = {task for per in dense.values() for task in per}
+    return [t for t in _order(tasks) if all(per.get(t, 0.0) == 0.0 for per in dense.values())]
+
+
 def table(results: list[dict]) -> dict:
     """{(policy, ratio, protocol): {task: mean score over lengths}}; dense (ratio 0) appears
     under every protocol, since it compresses nothing."""
@@ -125,6 +133,11 @@ def markdown(results: list[dict], header: dict) -> str:
     skips = skipped(results)
     for task, why in skips.items():
         lines.append(f"- skipped {task}: {why}")
+    zeros = dense_zeros(results)
+    if zeros:
+        lines.append(f"- dense scores 0 on {', '.join(zeros)}: the model cannot do {'it' if len(zeros) == 1 else 'them'} "
+                     "at these lengths even with every token kept, so the policies' scores there say nothing of the "
+                     "policies (a larger or instruction-tuned model, or shorter lengths, would)")
     lines.append("")
     tasks = task_order(results)
     spread, paired = errors(results), against_dense(results)

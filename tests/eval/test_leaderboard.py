@@ -98,3 +98,12 @@ def test_plot_draws_the_errors(tmp_path):
     names = plots.sweep_plots(data, ["a", "b"], {"model": "m"}, tmp_path, leaderboard.errors(RESULTS))
     assert names == ["score_vs_ratio.png", "task_heatmap_ratio-0.5.png"]
     assert all((tmp_path / n).read_bytes()[:4] == b"\x89PNG" for n in names)
+
+
+def test_the_report_says_where_dense_scores_zero():
+    zero = [result("dense", 0.0, "c", [0.0, 0.0]), result("tova", 0.5, "c", [0.0, 0.0])]
+    assert leaderboard.dense_zeros(RESULTS) == []
+    assert leaderboard.dense_zeros(RESULTS + zero) == ["c"]
+    report = leaderboard.markdown(RESULTS + zero, {"benchmark": "ruler"})
+    assert "dense scores 0 on c: the model cannot do it" in report
+    assert "dense scores 0" not in leaderboard.markdown(RESULTS, {"benchmark": "ruler"})
