@@ -20,6 +20,7 @@ from .config import ModelConfig
 from .errors import CheckpointError, KVCacheWarning
 from .model import Transformer
 from .quant import int4_linear
+from .threads import for_model as threads_for_model
 
 # Shipped with the package once the reference model exists; ``load()`` with no source uses it.
 BUNDLED_MODEL = Path(__file__).parent / "reference_model"
@@ -122,6 +123,7 @@ def load(
     dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,
     weights: str = "full",
+    threads: bool = True,
 ) -> Transformer:
     """Load a model from a Hugging Face-format checkpoint directory or a GGUF file.
 
@@ -137,6 +139,11 @@ def load(
     them; an approximation, with bfloat16 inputs to a step's products; CPU only); a GGUF file's
     Q4_1 blocks come back as the file's own codes. The embedding, head and norms stay in
     ``dtype``. The model is returned in eval mode.
+
+    ``threads``: set torch's intra-op thread count for the model as the command line does
+    (kvcache/threads.py: one thread for a small model on the CPU, where more only wait on each
+    other), unless the thread count was chosen (``torch.set_num_threads`` or ``OMP_NUM_THREADS``)
+    before; False leaves it alone.
     """
     if weights not in WEIGHTS:
         raise ValueError(f"weights={weights!r}: choose one of {', '.join(map(repr, WEIGHTS))}")
@@ -192,6 +199,8 @@ def load(
     model.reset_rope()
     if weights == "int4":
         int4_linear.quantize_model(model)
+    if threads:
+        threads_for_model(model)
     return model.eval()
 
 

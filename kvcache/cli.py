@@ -27,7 +27,6 @@ from .errors import GenerationError, KVCacheError, KVCacheWarning
 from .generate import DEFAULT_PREFILL_CHUNK, generate, truncate_at_stop
 from .memory import human
 from .prefix import DEFAULT_MAX_BYTES, INDEX, PrefixStore
-from .threads import for_model as threads_for_model
 from .threads import set_threads
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -631,7 +630,6 @@ def _generate(args: argparse.Namespace) -> None:
                       f"{start}{' and the whitespace' if prompts[0] else ''}; give a PROMPT (- reads it from stdin)",
                       KVCacheWarning, stacklevel=2)
     model = load(args.model, dtype=_dtype(args.dtype, args.device), device=args.device, weights=args.weights)
-    threads_for_model(model)
     longest = max(map(len, ids))
     cache_length = longest + max_new if args.cache_length is None else args.cache_length
     options = {k[4:]: v for k, v in vars(args).items() if k.startswith("opt_") and v is not None}

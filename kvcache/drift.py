@@ -37,7 +37,6 @@ from .errors import CheckpointError
 from .prefill import prefill
 from .prefix import PrefixStore
 from .tasks import DEFAULT_TEXTS
-from .threads import for_model as threads_for_model
 
 COMPARISONS = (
     "cached vs uncached",
@@ -247,7 +246,6 @@ def report(model_dir: str | Path | None, dtypes: list[str], device: str | torch.
     for name in dtypes:
         dtype = DTYPES[name]
         model = load(path, dtype=dtype, device=device)
-        threads_for_model(model)
         if prompts is None:
             prompts = texts(model_dir, setup, model.config.vocab_size)
         results += kvcache_drift(model, prompts, setup)

@@ -20,6 +20,10 @@ import torch
 SMALL_MODEL = 50_000_000
 
 _given: int | None = None
+# torch's own choice, as found when kvcache was imported: a count that differs later was set by
+# the program (torch.set_num_threads), which the rule then keeps.
+_AT_IMPORT = torch.get_num_threads()
+_set_here: set[int] = set()
 
 
 def set_threads(threads: int | None) -> None:
@@ -31,8 +35,11 @@ def set_threads(threads: int | None) -> None:
 
 
 def user_chose() -> bool:
-    """Whether the user set the thread count: ``--threads`` or ``OMP_NUM_THREADS``."""
-    return _given is not None or bool(os.environ.get("OMP_NUM_THREADS", "").strip())
+    """Whether the user set the thread count: ``--threads``, ``OMP_NUM_THREADS``, or
+    ``torch.set_num_threads`` to a count other than torch's own that this module did not set."""
+    now = torch.get_num_threads()
+    by_program = now != _AT_IMPORT and now not in _set_here
+    return _given is not None or bool(os.environ.get("OMP_NUM_THREADS", "").strip()) or by_program
 
 
 def idle_cores() -> int | None:
@@ -53,9 +60,14 @@ def for_model(model: torch.nn.Module) -> int:
         weight = next(model.parameters(), None)
         on_cpu = weight is None or weight.device.type == "cpu"
         if on_cpu and sum(p.numel() for p in model.parameters()) <= SMALL_MODEL:
-            torch.set_num_threads(1)
+            _set(1)
         elif on_cpu:
             idle = idle_cores()
             if idle is not None and idle < torch.get_num_threads():
-                torch.set_num_threads(idle)
+                _set(idle)
     return torch.get_num_threads()
+
+
+def _set(count: int) -> None:
+    _set_here.add(count)
+    torch.set_num_threads(count)

@@ -214,6 +214,7 @@ def test_threads_are_chosen_for_the_model_unless_given(model_dir, monkeypatch, c
     calls = []
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)  # torch's choice on a 4-core machine
+    monkeypatch.setattr(kvcache.threads, "_AT_IMPORT", 4)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(4)), raising=False)
     monkeypatch.setattr(os, "getloadavg", lambda: (0.1, 0.0, 0.0), raising=False)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
@@ -651,3 +652,19 @@ def test_ctrl_c_prints_what_was_made_and_the_summary(model_dir, monkeypatch, cap
     tokenizer = kvcache.load_tokenizer(model_dir)
     assert out.strip() == tokenizer.decode([5, 6, 7]).strip()
     assert "new tokens: 3" in err and "kvcache: interrupted after 3 new tokens" in err
+
+
+@pytest.mark.parametrize("before, env", [("", None), ("torch.set_num_threads(3)", None), ("", "2")])
+def test_the_api_loads_a_model_with_the_command_lines_thread_rule(before, env):
+    """kvcache.load sets the command line's thread count for the model (one thread for a small CPU
+    model), unless the program or the environment chose one first. (A fresh process: the count is
+    process-wide.)"""
+    import subprocess
+
+    code = f"import torch, kvcache\n{before}\nprint(torch.get_num_threads())\nkvcache.load()\nprint(torch.get_num_threads())"
+    environ = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    if env is not None:
+        environ["OMP_NUM_THREADS"] = env
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environ, check=True)
+    chosen, after = map(int, out.stdout.split()[-2:])
+    assert after == (1 if not before and env is None else chosen)

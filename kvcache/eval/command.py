@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import BUNDLED_MODEL, load, load_tokenizer
-from ..threads import for_model as threads_for_model
 from . import dataset as ds
 from . import leaderboard, ruler, sweep
 from .cell import BATCH, PROTOCOLS, Bench
@@ -161,7 +160,6 @@ def _sweep(args, kind: str, out: Path, dtype: torch.dtype | None, progress: bool
     tokenizer = load_tokenizer(args.model)
     check_chat(args, tokenizer)
     model = load(args.model, dtype=dtype, device=args.device, weights=args.weights)
-    threads_for_model(model)
     check_grid(policies, model)
     if kind == "ruler":
         # Every (task, length) holds its smallest sample, before anything is written.
@@ -228,7 +226,6 @@ def _passkey(args, out: Path, dtype: torch.dtype | None, progress: bool) -> None
     tokenizer = load_tokenizer(args.model)
     check_chat(args, tokenizer)
     model = load(args.model, dtype=dtype, device=args.device, weights=args.weights)
-    threads_for_model(model)
     check_grid(grid.policies, model)
     runner = passkey.Runner()
     runner.stream(tokenizer, args.texts)  # the texts, read (and checked) once before anything is written
