@@ -146,3 +146,12 @@ def test_the_thread_rule_is_the_codes():
     found = re.search(r"Without it a model of up to (\d+)M parameters, such as the bundled one, runs\s+one thread", README)
     assert int(found.group(1)) * 10**6 == kvcache.threads.SMALL_MODEL
     assert sum(p.numel() for p in kvcache.load().parameters()) <= kvcache.threads.SMALL_MODEL
+
+
+def test_every_python_block_of_the_readme_runs_as_written(capsys):
+    """A new user copies the README's Python blocks: each runs as it is, in a fresh namespace."""
+    blocks = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+    assert blocks
+    for block in blocks:
+        exec(compile(block, "README.md", "exec"), {})
+    assert capsys.readouterr().out.startswith("[")
