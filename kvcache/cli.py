@@ -283,8 +283,8 @@ def _add_generate(commands) -> None:
     cache.add_argument("--compile", action="store_true",
                        help="decode through a captured step (torch.compile; CUDA graphs on CUDA): a one-time "
                             "compilation (tens of seconds on a CPU, reported apart), then replayed steps, faster on "
-                            "CUDA but on a CPU only for an evicting policy over a small cache (docs/cli.md); not "
-                            "with --reserve")
+                            "CUDA; on a CPU slower for dense caches and at best somewhat faster for an evicting "
+                            "policy over a small cache: time it (docs/cli.md); not with --reserve")
     reuse = gen.add_argument_group("prompt reuse (docs/prefix.md)")
     reuse.add_argument("--prompt-cache", metavar="DIR",
                        help="reuse the cache of prompt prefixes stored in DIR by earlier runs (same model, policy "
