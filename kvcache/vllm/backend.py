@@ -115,6 +115,29 @@ def rotary_frequencies(vllm_config) -> torch.Tensor | None:
     return inverse_frequencies(cfg.rope, cfg.head_dim)
 
 
+def check_pool(spec: KVCacheAttentionSpec, vllm_config) -> None:
+    """Refuse, at start-up and saying what the bound is made of, a KV cache memory
+    (``kv_cache_memory_bytes``) too small for one request under the policy, which vLLM's own
+    start-up check would refuse in terms of ``max_model_len``. Counts the policy's layers only
+    (vLLM's check adds the sliding layers'), so it refuses nothing vLLM would accept."""
+    pool = None if vllm_config is None else vllm_config.cache_config.kv_cache_memory_bytes
+    blocks = spec.admission_blocks()
+    if not pool or blocks is None:
+        return
+    text = vllm_config.model_config.hf_text_config
+    types = getattr(text, "layer_types", None)
+    layers = types.count("full_attention") if types else text.num_hidden_layers
+    need = spec.max_memory_usage_bytes(vllm_config) * layers
+    if need <= pool:
+        return
+    raise ConfigError(
+        f"kvcache vLLM plugin: one request holds at most cache_length ({spec.kvcache.cache_length}) tokens plus "
+        f"the {spec.in_flight_tokens} one step may schedule (max_num_batched_tokens), {blocks} blocks of "
+        f"{spec.block_size} per layer: {need} bytes over {layers} layers, more than the KV cache memory "
+        f"(kv_cache_memory_bytes={pool}); lower --max-num-batched-tokens (or the cache_length), or give the KV "
+        "cache more memory")
+
+
 class KVCacheCPUBackend(CPUAttentionBackend):
     """vLLM's CPU attention backend (CPU_ATTN), with kvcache's blocks."""
 
@@ -125,6 +148,7 @@ class KVCacheCPUBackend(CPUAttentionBackend):
             ENGINE.config = configured(vllm_config)
             ENGINE.inv_freq = rotary_frequencies(vllm_config)
             ENGINE.in_flight_tokens = vllm_config.max_in_flight_tokens
+            ENGINE.vllm_config = vllm_config
             ENGINE.known = True
         return KVCacheCPUImpl
 
@@ -141,7 +165,9 @@ class KVCacheCPUBackend(CPUAttentionBackend):
         if type(spec) is not FullAttentionSpec or spec.sliding_window is not None or spec.attention_chunk_size:
             raise ConfigError(f"kvcache vLLM plugin: layers of kind {type(spec).__name__} (sliding window "
                               f"{spec.sliding_window}) are not supported; full and sliding-window attention only")
-        return KVCacheAttentionSpec.of(spec, config, ENGINE.in_flight_tokens)
+        spec = KVCacheAttentionSpec.of(spec, config, ENGINE.in_flight_tokens)
+        check_pool(spec, ENGINE.vllm_config)
+        return spec
 
     @staticmethod
     def get_builder_cls() -> type[CPUAttentionMetadataBuilder]:

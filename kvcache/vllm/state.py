@@ -26,6 +26,8 @@ class EngineConfig:
     inv_freq: object = None
     # vLLM's ``max_in_flight_tokens``: the most tokens one step computes (the KV cache spec's bound).
     in_flight_tokens: int = 0
+    # The VllmConfig itself, for the start-up check of the KV cache memory (backend.check_pool).
+    vllm_config: object = None
 
 
 @dataclasses.dataclass(frozen=True)

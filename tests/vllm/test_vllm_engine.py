@@ -366,6 +366,19 @@ def test_bad_configurations_fail_at_engine_start(tmp_path):
         engine(path, {"policy": "snapkv", "cache_length": 64}, kv_cache_dtype="fp8")
 
 
+def test_a_pool_too_small_for_the_bound_is_refused_saying_what_to_lower(tmp_path):
+    """4 blocks of KV memory, and a bound of 2 blocks of cache_length plus 4 of a 128-token step per
+    layer: the start fails naming the bound's parts and the option to lower; with steps of 32
+    tokens the bound fits and the engine starts."""
+    path = build("llama", tmp_path / "llama")
+    config = {"policy": "window", "cache_length": 64}
+    settings = dict(max_model_len=512, kv_cache_memory_bytes=4 * BLOCK_BYTES, max_num_seqs=1)
+    with pytest.raises(ConfigError, match=r"cache_length \(64\) tokens plus the 128 one step may schedule "
+                                          r"\(max_num_batched_tokens\).*lower --max-num-batched-tokens"):
+        engine(path, config, max_num_batched_tokens=128, **settings)
+    close(engine(path, config, max_num_batched_tokens=32, **settings))
+
+
 def test_request_options_checked_where_the_engine_is_not_known(monkeypatch):
     """An API server's own process has not built the engine's model: there a request's options
     are checked against the policies the plugin runs (a misspelt option suits none); in a process
