@@ -34,6 +34,7 @@ import torch
 from .cache.registry import make_cache
 from .checkpoint import _resolve, load, load_tokenizer
 from .errors import CheckpointError
+from .generate import decode_loop
 from .prefill import prefill
 from .prefix import PrefixStore
 from .tasks import DEFAULT_TEXTS
@@ -154,11 +155,20 @@ def _continue(model, cache, prompt: list[int], setup: Setup, store, aligned: boo
     (steps, 1, 1) or, without it, the greedy tokens, which are returned: both runs of a comparison
     see the same tokens. Returns (1 + steps, vocab) logits and the tokens fed."""
     logits = [prefill(model, cache, [prompt], chunk=setup.chunk, store=store, aligned=aligned)]
-    fed = []
-    for i in range(setup.steps):
-        fed.append(logits[-1].argmax(-1, keepdim=True) if feed is None else feed[i])
-        logits.append(model(fed[-1], cache)[:, -1])
-    return torch.cat(logits), torch.stack(fed)
+    fed: list[torch.Tensor] = []
+
+    def pick(last: torch.Tensor) -> torch.Tensor:
+        # (The loop picks once more after the last step; that token is not fed.)
+        i = len(fed)
+        fed.append(last.argmax(-1, keepdim=True) if feed is None or i >= len(feed) else feed[i])  # (1, 1)
+        return fed[-1].view(1)
+
+    def step(tokens: torch.Tensor) -> torch.Tensor:
+        logits.append(model(tokens, cache)[:, -1])
+        return logits[-1]
+
+    decode_loop([[]], logits[0], step, setup.steps + 1, pick, lambda row, tokens: False)
+    return torch.cat(logits), torch.stack(fed[: setup.steps])
 
 
 # ----- transformers -----------------------------------------------------------------------------

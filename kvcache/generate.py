@@ -34,26 +34,35 @@ Pick = Callable[[torch.Tensor], torch.Tensor]
 Stopped = Callable[[int, list[int]], bool]
 
 
-def decode_loop(out: list[list[int]], next_logits: torch.Tensor, decode: Callable[[torch.Tensor], torch.Tensor],
-                max_new_tokens: int, pick: Pick, stopped: Stopped) -> list[list[int]]:
-    """The loop after a prefill, one token per row per step, into ``out`` (B empty lists, the
-    caller's: they hold the tokens made so far if a step raises).
+def decode_loop(out: list[list[int]], next_logits: torch.Tensor, decode: Callable[..., torch.Tensor],
+                max_new_tokens: int, pick: Pick, stopped: Stopped, *, drop_ended: bool = False) -> list[list[int]]:
+    """The package's one loop over a model's logits, one token per row per step, into ``out`` (B
+    empty lists, the caller's: they hold the tokens made so far if a step raises): ``generate``,
+    kvzip's generation and the answers of ``kvcache eval`` run it.
 
     next_logits: (B, vocab) after each row's last prompt token. Each step ``pick``s a token per
     row, appends it to each row still going, ends a row once ``stopped(row, its tokens)`` (the
-    token is kept), and feeds the tokens back through ``decode`` ((B, 1) -> (B, vocab)) until
-    every row has ended or holds ``max_new_tokens``. Ended rows keep stepping (their tokens are
-    discarded), so every step has the same shape."""
+    token is kept), and feeds the tokens back through ``decode`` until every row has ended or
+    holds ``max_new_tokens``. By default ended rows keep stepping (their tokens are discarded), so
+    every step has the same shape: ``decode`` takes (B, 1) tokens to (B, vocab). With
+    ``drop_ended`` a row leaves the batch once it ends: ``decode(tokens, rows)`` takes the (R, 1)
+    tokens of the R rows still going and their indices, to their (R, vocab) logits."""
     done = [False] * len(out)
+    rows = list(range(len(out)))
     for i in range(max_new_tokens):
         tokens = pick(next_logits)
-        for b, token in enumerate(tokens.tolist()):
+        for b, token in zip(rows, tokens.tolist()):
             if not done[b]:
                 out[b].append(token)
                 done[b] = stopped(b, out[b])
         if all(done) or i == max_new_tokens - 1:
             break
-        next_logits = decode(tokens[:, None])
+        if drop_ended:
+            going = [j for j, b in enumerate(rows) if not done[b]]
+            rows = [rows[j] for j in going]
+            next_logits = decode(tokens[going, None], rows)
+        else:
+            next_logits = decode(tokens[:, None])
     return out
 
 

@@ -45,7 +45,7 @@ from ..cache.base import KVCache
 from ..cache.registry import budget_options, make_cache, policy_class, reconstructs
 from ..cache.rows import Rows
 from ..checkpoint import WEIGHTS
-from ..generate import greedy
+from ..generate import decode_loop, greedy
 from ..kvzip import prefill as reconstruct_context
 from ..kvzip import repeat_ids
 from . import dataset as ds
@@ -234,17 +234,13 @@ def answers(model, caches: Sequence, logits: torch.Tensor, rest: list[int], max_
         ids = torch.tensor([rest] * len(caches), device=device)
         logits = timed(lambda: model(ids, Rows(caches), last_only=True)[:, 0])
     stops = stop_ids(model)
-    for i in range(max_new_tokens):
-        going = []
-        for b, token in zip(active, greedy(logits).tolist()):
-            out[b].append(token)
-            if not (token in stops or finished[b](out[b])):
-                going.append((b, token))
-        if not going or i == max_new_tokens - 1:
-            break
-        active = [b for b, _ in going]
-        tokens = torch.tensor([[token] for _, token in going], device=device)
-        logits = timed(lambda: model.decode(tokens, Rows([caches[b] for b in active])))
+
+    def decode(tokens: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        active[:] = rows  # the rows this call's time is shared by
+        return timed(lambda: model.decode(tokens, Rows([caches[b] for b in rows])))
+
+    decode_loop(out, logits, decode, max_new_tokens, greedy, lambda b, tokens: tokens[-1] in stops or finished[b](tokens),
+                drop_ended=True)
     return out, seconds
 
 
