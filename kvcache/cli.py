@@ -583,8 +583,8 @@ def _decoding(args: argparse.Namespace, defaults: dict) -> dict:
 def _stop_tokens(model, tokenizer: Tokenizer, defaults: dict) -> list[int]:
     """End-of-text tokens from the model config, the tokenizer and generation_config.json: any of
     them ends a row (chat checkpoints often name their end-of-turn token in only one place)."""
-    stops: set[int] = set()
-    for eos in (model.config.eos_token_id, tokenizer.eos_token_id, defaults.get("eos_token_id")):
+    stops = set(model.config.stop_ids())
+    for eos in (tokenizer.eos_token_id, defaults.get("eos_token_id")):
         stops.update([eos] if isinstance(eos, int) else eos or [])
     return sorted(stops)
 

@@ -187,6 +187,12 @@ class ModelConfig:
             raise ValueError(f"a mixture of experts routes each token to 1 to num_local_experts experts; got "
                              f"num_experts_per_tok={self.experts_per_token} with num_local_experts={self.num_experts}")
 
+    def stop_ids(self) -> list[int]:
+        """The end-of-text ids at which generation stops by default (``eos_token_id``), as a list:
+        the one rule ``generate``, kvzip's generation, ``kvcache eval`` and the command line use."""
+        eos = self.eos_token_id
+        return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
     @property
     def group_size(self) -> int:
         """Query heads per K/V head."""

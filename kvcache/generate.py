@@ -358,77 +358,21 @@ def generate(
     cfg = model.config
     _validate(rows, max_new_tokens, temperature, top_k, top_p, repetition_penalty, prefill_chunk, cfg.vocab_size)
     strings = _stop_strings(stop_strings, tokenizer)
-    if stop_tokens is None:
-        eos = cfg.eos_token_id
-        stop_tokens = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    stops = set(stop_tokens)
-
-    B = len(rows)
-    lengths = [len(p) for p in rows]
-    longest = max(lengths)
-    if cache is None:
-        cache = make_cache(
-            model,
-            policy,
-            cache_length=longest + max_new_tokens if cache_length is None else cache_length,
-            batch_size=B,
-            prompt_length=longest,
-            **(policy_options or {}),
-        )
-    elif cache_length is not None or policy_options is not None or policy != "dense":
-        raise ValueError("pass either cache= or policy/cache_length/policy_options (they make a cache), not both")
-    elif not isinstance(cache, KVCache):
-        raise ValueError(f"cache= takes a kvcache.KVCache (make_cache), got {type(cache).__name__}; several "
-                         "caches as one batch (kvcache.cache.Rows) run through model(...) and model.decode")
-    elif cache.batch_size != B:
-        raise ValueError(f"the cache was made for batch_size={cache.batch_size}, but there are {B} prompts")
-    _check_capacity(cache, longest, max_new_tokens)
-    if not isinstance(aligned, bool):
-        raise ValueError(f"aligned must be True or False, got {aligned!r}")
-    if prefix_store is not None:
-        if not isinstance(prefix_store, PrefixStore):
-            raise ValueError(f"prefix_store must be a kvcache.PrefixStore, got {type(prefix_store).__name__}")
-        # Before the cache is reset: a store for another model or cache rejects the call here.
-        prefix_store.bind(model, cache, chunk=prefill_chunk, aligned=aligned)
-    elif aligned and prefill_chunk is None:
-        raise ValueError("aligned=True prefills on a fixed grid of prefill_chunk tokens: give a prefill_chunk")
-    if compile:
-        check_capturable(cache)
-
-        def decode(tokens: torch.Tensor) -> torch.Tensor:
-            # Made on the first decode step, so that setting up the compiler does not delay the prefill.
-            return captured_decode(model, cache).step(tokens)
-    else:
-        def decode(tokens: torch.Tensor) -> torch.Tensor:
-            return model.decode(tokens, cache)
+    stops = set(cfg.stop_ids() if stop_tokens is None else stop_tokens)
+    longest = max(map(len, rows))
+    cache = _cache_for(model, rows, max_new_tokens, cache, policy, cache_length, policy_options)
+    _check_prefix_store(model, cache, prefix_store, prefill_chunk, aligned)
+    decode = _decode_step(model, cache, compile)
     # Up front rather than when the decode loop gets there; the model warns once, so not again then.
     model.warn_past_max_positions(longest + max(max_new_tokens - 1, 0))
     cache.reset()
-    device = model.embed_tokens.weight.device
-    generator = None
-    if seed is not None:
-        generator = torch.Generator(device=device).manual_seed(seed)
 
-    out: list[list[int]] = [[] for _ in range(B)]
+    out: list[list[int]] = [[] for _ in rows]
     prefill_chunk, decode = _longrope_recompute(model, cache, rows, out, prefill_chunk, decode)
     # Prefill: chunk c holds tokens [c*step, (c+1)*step) of every row, right-padded.
     next_logits = prefill(model, cache, rows, chunk=prefill_chunk, store=prefix_store, aligned=aligned,
                           on_prefill=on_prefill)
-
-    # seen[b, t]: token t is in row b's prompt or output (for the repetition penalty only).
-    seen = None
-    if repetition_penalty != 1.0:
-        seen = torch.zeros(B, cfg.vocab_size, dtype=torch.bool, device=device)
-        for b, p in enumerate(rows):
-            seen[b, torch.tensor(p, device=device)] = True
-    every_row = torch.arange(B, device=device)
-
-    def pick(logits: torch.Tensor) -> torch.Tensor:
-        if seen is None:
-            return sample(logits, temperature, top_k, top_p, generator)
-        tokens = sample(penalize_repetition(logits, seen, repetition_penalty), temperature, top_k, top_p, generator)
-        seen[every_row, tokens] = True
-        return tokens
+    pick = _picker(model, rows, temperature, top_k, top_p, repetition_penalty, seed)
 
     def stopped(b: int, tokens: list[int]) -> bool:
         if on_token is not None:
@@ -448,6 +392,71 @@ def generate(
         ) from e
     if prefix_store is not None:
         # The cache holds each prompt and the new tokens fed back (all but the last one made).
-        for b in range(B):
-            prefix_store.add(cache, b, rows[b] + out[b][:-1], on_grid=False)
+        for b, row in enumerate(rows):
+            prefix_store.add(cache, b, row + out[b][:-1], on_grid=False)
     return out[0] if single else out
+
+
+def _cache_for(model: Transformer, rows: list[list[int]], max_new_tokens: int, cache: KVCache | None, policy: str,
+               cache_length: int | float | None, policy_options: Mapping[str, object] | None) -> KVCache:
+    """``generate``'s cache: ``cache`` checked against the prompts, or one made from ``policy``,
+    ``cache_length`` (default: the longest prompt and the new tokens) and ``policy_options``;
+    either must hold what it cannot evict (``_check_capacity``)."""
+    longest = max(map(len, rows))
+    if cache is None:
+        cache = make_cache(model, policy, cache_length=longest + max_new_tokens if cache_length is None else cache_length,
+                           batch_size=len(rows), prompt_length=longest, **(policy_options or {}))
+    elif cache_length is not None or policy_options is not None or policy != "dense":
+        raise ValueError("pass either cache= or policy/cache_length/policy_options (they make a cache), not both")
+    elif not isinstance(cache, KVCache):
+        raise ValueError(f"cache= takes a kvcache.KVCache (make_cache), got {type(cache).__name__}; several "
+                         "caches as one batch (kvcache.cache.Rows) run through model(...) and model.decode")
+    elif cache.batch_size != len(rows):
+        raise ValueError(f"the cache was made for batch_size={cache.batch_size}, but there are {len(rows)} prompts")
+    _check_capacity(cache, longest, max_new_tokens)
+    return cache
+
+
+def _check_prefix_store(model: Transformer, cache: KVCache, store: PrefixStore | None, chunk: int | None,
+                        aligned: object) -> None:
+    """``prefix_store`` and ``aligned`` as ``generate`` takes them; a store is bound to the model and
+    cache here, before the cache is reset, so that one for another model or cache rejects the call."""
+    if not isinstance(aligned, bool):
+        raise ValueError(f"aligned must be True or False, got {aligned!r}")
+    if store is not None:
+        if not isinstance(store, PrefixStore):
+            raise ValueError(f"prefix_store must be a kvcache.PrefixStore, got {type(store).__name__}")
+        store.bind(model, cache, chunk=chunk, aligned=aligned)
+    elif aligned and chunk is None:
+        raise ValueError("aligned=True prefills on a fixed grid of prefill_chunk tokens: give a prefill_chunk")
+
+
+def _decode_step(model: Transformer, cache: KVCache, compile: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    """One decode step, (B, 1) tokens -> (B, vocab) logits: eager, or the captured step, made on
+    the first call so that setting up the compiler does not delay the prefill."""
+    if not compile:
+        return lambda tokens: model.decode(tokens, cache)
+    check_capturable(cache)
+    return lambda tokens: captured_decode(model, cache).step(tokens)
+
+
+def _picker(model: Transformer, rows: list[list[int]], temperature: float, top_k: int | None, top_p: float | None,
+            repetition_penalty: float, seed: int | None) -> Pick:
+    """The tokens of a step from its logits (B, vocab) -> (B,): ``sample`` with a generator seeded
+    by ``seed``, after the repetition penalty over each row's prompt and output so far."""
+    device = model.embed_tokens.weight.device
+    generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
+    if repetition_penalty == 1.0:
+        return lambda logits: sample(logits, temperature, top_k, top_p, generator)
+    # seen[b, t]: token t is in row b's prompt or output.
+    seen = torch.zeros(len(rows), model.config.vocab_size, dtype=torch.bool, device=device)
+    for b, p in enumerate(rows):
+        seen[b, torch.tensor(p, device=device)] = True
+    every_row = torch.arange(len(rows), device=device)
+
+    def pick(logits: torch.Tensor) -> torch.Tensor:
+        tokens = sample(penalize_repetition(logits, seen, repetition_penalty), temperature, top_k, top_p, generator)
+        seen[every_row, tokens] = True
+        return tokens
+
+    return pick

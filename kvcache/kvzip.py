@@ -199,10 +199,7 @@ def generate(model, cache: KVCache, context: object, rest: object = None, *, rep
     if tail is not None and tail.shape[0] != ids.shape[0]:
         raise ValueError(f"rest has {tail.shape[0]} rows but context has {ids.shape[0]}")
     _check_cache(cache, ids.shape[0])
-    if stop_tokens is None:
-        eos = model.config.eos_token_id
-        stop_tokens = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    stops = set(stop_tokens)
+    stops = set(model.config.stop_ids() if stop_tokens is None else stop_tokens)
     cache.reset()
     logits = prefill(model, cache, ids, repeat=repeat, chunk=chunk)
     if tail is not None:

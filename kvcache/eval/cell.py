@@ -190,8 +190,7 @@ def saturated(tokenizer, sample: Sample, tokens: list[int]) -> bool:
 
 def stop_ids(model) -> set[int]:
     """The model's eos ids, at which ``generate`` stops by default."""
-    eos = model.config.eos_token_id
-    return set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+    return set(model.config.stop_ids())
 
 
 @torch.inference_mode()
