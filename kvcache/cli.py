@@ -618,33 +618,20 @@ class Clock:
 
 def _generate(args: argparse.Namespace) -> None:
     _set_threads(args.threads)
-    prompts = _read_prompts(args)
     tokenizer = load_tokenizer(args.model)
     defaults = generation_config(args.model)
     decoding = _decoding(args, defaults)
     max_new = decoding.pop("max_new_tokens")
-    ids = [_encode(tokenizer, p, args) for p in prompts]
-    if not args.chat and args.system is None and not prompts[0].strip() and ids[0]:
-        start = "the beginning-of-text token" if ids[0][:1] == [tokenizer.bos_token_id] else "its first token"
-        warnings.warn(f"the prompt is empty{' (whitespace only)' if prompts[0] else ''}: the model continues from "
-                      f"{start}{' and the whitespace' if prompts[0] else ''}; give a PROMPT (- reads it from stdin)",
-                      KVCacheWarning, stacklevel=2)
+    prompts, ids = _prompt_ids(args, tokenizer)
     model = load(args.model, dtype=_dtype(args.dtype, args.device), device=args.device, weights=args.weights)
-    longest = max(map(len, ids))
-    cache_length = longest + max_new if args.cache_length is None else args.cache_length
-    options = {k[4:]: v for k, v in vars(args).items() if k.startswith("opt_") and v is not None}
-    # Built here rather than inside generate() so its memory can be reported afterwards.
-    cache = make_cache(
-        model, args.policy, cache_length=cache_length, batch_size=len(ids), prompt_length=longest,
-        allocation=args.allocation, reserve=args.reserve, **options,
-    )
+    cache = _generate_cache(args, model, ids, max_new)
     store = _prompt_cache(args, model, cache)
     reused = None if store is None else [store.reusable(p) for p in ids]
     stop_strings = tuple(args.stop)
     # One prompt as text streams as it is made; a batch's rows are printed one after another at the end.
     stream = TextStream(tokenizer, sys.stdout, stop_strings) if len(ids) == 1 and not args.json else None
-    total = sum(map(len, ids))
-    bar = tqdm(total=total, desc="prefill", unit="tok", leave=False, file=sys.stderr,
+    longest = max(map(len, ids))
+    bar = tqdm(total=sum(map(len, ids)), desc="prefill", unit="tok", leave=False, file=sys.stderr,
                disable=args.quiet or longest <= args.prefill_chunk or not sys.stderr.isatty())
     clock = Clock(len(ids))
     made: list[list[int]] = [[] for _ in ids]  # what an interrupted run has made (Ctrl-C)
@@ -685,11 +672,41 @@ def _generate(args: argparse.Namespace) -> None:
     if model.embed_tokens.weight.is_cuda:
         torch.cuda.synchronize()  # with no new tokens nothing has waited for the prefill kernels
     end = time.perf_counter()
-
     texts = [truncate_at_stop(tokenizer.decode(row), stop_strings) for row in new]
     if args.json:
         _print_json(prompts, ids, new, texts, clock, end, cache, failure, reused, args.weights)
-    elif stream is not None:
+    else:
+        _print_texts(texts, stream)
+    _report(args, ids, new, clock, end, cache, store, reused, failure)
+
+
+def _prompt_ids(args: argparse.Namespace, tokenizer: Tokenizer) -> tuple[list[str], list[list[int]]]:
+    """The prompts as given and their ids (chat template, system prompt), with a warning for an
+    empty prompt the model would continue from its first token."""
+    prompts = _read_prompts(args)
+    ids = [_encode(tokenizer, p, args) for p in prompts]
+    if not args.chat and args.system is None and not prompts[0].strip() and ids[0]:
+        start = "the beginning-of-text token" if ids[0][:1] == [tokenizer.bos_token_id] else "its first token"
+        warnings.warn(f"the prompt is empty{' (whitespace only)' if prompts[0] else ''}: the model continues from "
+                      f"{start}{' and the whitespace' if prompts[0] else ''}; give a PROMPT (- reads it from stdin)",
+                      KVCacheWarning, stacklevel=3)
+    return prompts, ids
+
+
+def _generate_cache(args: argparse.Namespace, model, ids: list[list[int]], max_new: int):
+    """The run's cache, from --policy, --cache-length (default: the longest prompt and the new
+    tokens), --allocation, --reserve and the policy's options; built here rather than inside
+    generate() so that its memory can be reported afterwards."""
+    longest = max(map(len, ids))
+    cache_length = longest + max_new if args.cache_length is None else args.cache_length
+    options = {k[4:]: v for k, v in vars(args).items() if k.startswith("opt_") and v is not None}
+    return make_cache(model, args.policy, cache_length=cache_length, batch_size=len(ids), prompt_length=longest,
+                      allocation=args.allocation, reserve=args.reserve, **options)
+
+
+def _print_texts(texts: list[str], stream: TextStream | None) -> None:
+    """The new text on stdout: the end of a streamed one, or each row's under a header."""
+    if stream is not None:
         stream.finish()
         sys.stdout.write("\n")
     else:
@@ -698,17 +715,22 @@ def _generate(args: argparse.Namespace) -> None:
                 sys.stdout.write("\n")
             sys.stdout.write(f"==> prompt {i + 1} of {len(texts)} <==\n{text}\n")
     sys.stdout.flush()
+
+
+def _report(args, ids, new, clock: Clock, end: float, cache, store, reused, failure) -> None:
+    """After the text: a failure raised, else (and after Ctrl-C) the summary and the prompt
+    cache's on stderr, then an interruption raised again (status 130)."""
     interrupted = isinstance(failure, KeyboardInterrupt)
     if failure is not None and not interrupted:
         raise failure
     if not args.quiet:
         _print_summary(ids, new, clock, end, cache)
-    if interrupted:
-        print(f"kvcache: interrupted after {sum(map(len, new))} new tokens", file=sys.stderr)
-        raise failure
         if store is not None:
             print(f"prompt cache {args.prompt_cache}: reused {sum(reused)} of {sum(map(len, ids))} prompt tokens; "
                   f"{len(store)} entries, {human(store.nbytes)}", file=sys.stderr)
+    if interrupted:
+        print(f"kvcache: interrupted after {sum(map(len, new))} new tokens", file=sys.stderr)
+        raise failure
 
 
 def _prompt_cache(args: argparse.Namespace, model, cache) -> PrefixStore | None:

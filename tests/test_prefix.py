@@ -380,6 +380,8 @@ def test_cli_prompt_cache_reuses_across_runs(text_model, tmp_path, capsys):
     second = json.loads(out)
     assert second["tokens"] == first["tokens"]
     assert second["reused_tokens"] == first["prompt_tokens"] - 1
+    reused = second["reused_tokens"]
+    assert f"prompt cache {tmp_path / 'pc'}: reused {reused} of {first['prompt_tokens']} prompt tokens" in err
     assert main(args + ["--policy", "window", "--cache-length", "32"]) == 2
     err = capsys.readouterr().err
     assert "--prompt-cache" in err and "holds dense caches" in err and "window" in err
