@@ -132,26 +132,26 @@ def finetune(
     if not params:
         raise ValueError("no parameter of the model requires grad: nothing to train")
     device = params[0].device
-    decay = [p for p in params if p.dim() >= 2]
-    other = [p for p in params if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
-                                   {"params": other, "weight_decay": 0.0}],
-                                  lr=config.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
-    generator = torch.Generator().manual_seed(config.seed)
-    order = torch.randperm(len(rows), generator=generator)
-    cursor = 0
+    optimizer = _optimizer(params, config)
+    next_batch = batches if batches is not None else _shuffled_batches(rows, weights, config)
 
-    def next_batch(index: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        nonlocal order, cursor
-        if batches is not None:
-            return batches(index)
-        if cursor + config.batch_size > len(order):
-            order, cursor = torch.randperm(len(rows), generator=generator), 0
-        pick = order[cursor : cursor + config.batch_size]
-        cursor += config.batch_size
-        if ragged:
-            return [rows[i] for i in pick], None if weights is None else [weights[i] for i in pick]
-        return rows[pick], None if weights is None else weights[pick]
+    def accumulate(step: int) -> tuple[float, int]:
+        """One optimizer step's micro-batches, backward through each: (mean loss, tokens read)."""
+        total, read = 0.0, 0
+        for micro in range(config.grad_accum):
+            ids, w = next_batch(step * config.grad_accum + micro)
+            read += sum(len(r) for r in ids) if ragged else ids.numel()
+            if config.shard is not None:
+                ids, w = rank_rows(ids, rank, world), None if w is None else rank_rows(w, rank, world)
+            ids = [r.to(device) for r in ids] if ragged else ids.to(device)
+            if w is not None:
+                w = [r.to(device) for r in w] if ragged else w.to(device)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                loss = chunked_loss(model, ids, weights=w, policy=config.policy, cache_length=config.cache_length,
+                                    chunk=config.chunk, offload_kv=config.offload_kv, **config.policy_options)
+            (loss / config.grad_accum).backward()
+            total += loss.item() / config.grad_accum
+        return total, read
 
     records, sink = [], None if log is None else open(log, "a")
     model.train()
@@ -162,20 +162,8 @@ def finetune(
             lr = lr_at(step, config)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            total = 0.0
-            for micro in range(config.grad_accum):
-                ids, w = next_batch(step * config.grad_accum + micro)
-                tokens += sum(len(r) for r in ids) if ragged else ids.numel()
-                if config.shard is not None:
-                    ids, w = rank_rows(ids, rank, world), None if w is None else rank_rows(w, rank, world)
-                ids = [r.to(device) for r in ids] if ragged else ids.to(device)
-                if w is not None:
-                    w = [r.to(device) for r in w] if ragged else w.to(device)
-                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                    loss = chunked_loss(model, ids, weights=w, policy=config.policy, cache_length=config.cache_length,
-                                        chunk=config.chunk, offload_kv=config.offload_kv, **config.policy_options)
-                (loss / config.grad_accum).backward()
-                total += loss.item() / config.grad_accum
+            total, read = accumulate(step)
+            tokens += read
             norm = grad_norm(params, config.clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -198,6 +186,37 @@ def finetune(
             sink.close()
     model.eval()
     return records
+
+
+def _optimizer(params: list[torch.nn.Parameter], config: FinetuneConfig) -> torch.optim.Optimizer:
+    """AdamW with ``config.weight_decay`` on the matrices and none on vectors (norms, biases)."""
+    decay = [p for p in params if p.dim() >= 2]
+    other = [p for p in params if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": config.weight_decay},
+                              {"params": other, "weight_decay": 0.0}],
+                             lr=config.lr, betas=(0.9, 0.95), fused=params[0].device.type == "cuda")
+
+
+def _shuffled_batches(rows, weights, config: FinetuneConfig):
+    """The micro-batch source over ``rows`` (and ``weights``): ``config.batch_size`` rows at a time
+    in a shuffled order (seeded by ``config.seed``), drawn anew every pass over the data; the
+    micro-batch index it is called with does not matter."""
+    ragged = isinstance(rows, (list, tuple))
+    generator = torch.Generator().manual_seed(config.seed)
+    order = torch.randperm(len(rows), generator=generator)
+    cursor = 0
+
+    def next_batch(index: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        nonlocal order, cursor
+        if cursor + config.batch_size > len(order):
+            order, cursor = torch.randperm(len(rows), generator=generator), 0
+        pick = order[cursor : cursor + config.batch_size]
+        cursor += config.batch_size
+        if ragged:
+            return [rows[i] for i in pick], None if weights is None else [weights[i] for i in pick]
+        return rows[pick], None if weights is None else weights[pick]
+
+    return next_batch
 
 
 def describe(config: FinetuneConfig) -> dict:
