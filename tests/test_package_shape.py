@@ -43,3 +43,22 @@ def test_one_loop_turns_a_models_logits_into_tokens():
                 if called & PICKS and called & {"decode", "model", "step"}:
                     loops.append(f"{path}:{node.lineno} in {fn.name}")
     assert loops == [], loops
+
+
+# The most lines a function of the package may take, its docstring left out (a docstring is the
+# function's reference, not its logic).
+LONGEST = 80
+
+
+def _length(fn) -> int:
+    lines = fn.end_lineno - fn.lineno + 1
+    first = fn.body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+        lines -= first.end_lineno - first.lineno + 1
+    return lines
+
+
+def test_no_function_is_longer_than_longest():
+    long = sorted(f"{path}:{fn.lineno} {fn.name} ({_length(fn)} lines)" for path, fn in functions()
+                  if _length(fn) > LONGEST)
+    assert long == [], long

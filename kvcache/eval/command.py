@@ -134,19 +134,7 @@ def _sweep(args, kind: str, out: Path, dtype: torch.dtype | None, progress: bool
     bad = [p for p in protocols if p not in PROTOCOLS]
     if bad:
         raise ValueError(f"unknown protocol(s) {', '.join(bad)}; available: {', '.join(PROTOCOLS)}")
-    if kind == "ruler":
-        tasks = args.tasks or list(ruler.TASKS)
-        unknown = [t for t in tasks if t not in ruler.TASKS]
-        if unknown:
-            raise ValueError(f"unknown RULER task(s) {', '.join(unknown)}; the tasks are {', '.join(ruler.TASKS)}")
-        lengths = args.lengths or list(DEFAULT_RULER_LENGTHS)
-    else:
-        found = ds.tasks(args.dataset)
-        tasks = args.tasks or found
-        unknown = [t for t in tasks if t not in found]
-        if unknown:
-            raise ValueError(f"task(s) {', '.join(unknown)} not in {args.dataset}, whose tasks are {', '.join(found)}")
-        lengths = [0]  # a dataset's prompts are as long as they are
+    tasks, lengths = _tasks_and_lengths(args, kind)
     policies = args.policies or sorted(registered(), key=lambda name: name != "dense")
     check_grid(policies)
     # One spelling per variant, so that "snapkv(kernel=5, window=64)" finds the cells of "snapkv(window=64,kernel=5)".
@@ -189,6 +177,28 @@ def _sweep(args, kind: str, out: Path, dtype: torch.dtype | None, progress: bool
               "device": str(args.device)}
     if kind == "dataset" or args.dataset:
         header["dataset"] = args.dataset
+    _write_report(args, out, results, header)
+
+
+def _tasks_and_lengths(args, kind: str) -> tuple[list[str], list[int]]:
+    """--tasks (RULER's, or the dataset's) and --lengths, checked: RULER's default lengths, and a
+    dataset's 0 (its prompts are as long as they are)."""
+    if kind == "ruler":
+        tasks = args.tasks or list(ruler.TASKS)
+        unknown = [t for t in tasks if t not in ruler.TASKS]
+        if unknown:
+            raise ValueError(f"unknown RULER task(s) {', '.join(unknown)}; the tasks are {', '.join(ruler.TASKS)}")
+        return tasks, args.lengths or list(DEFAULT_RULER_LENGTHS)
+    found = ds.tasks(args.dataset)
+    tasks = args.tasks or found
+    unknown = [t for t in tasks if t not in found]
+    if unknown:
+        raise ValueError(f"task(s) {', '.join(unknown)} not in {args.dataset}, whose tasks are {', '.join(found)}")
+    return tasks, [0]
+
+
+def _write_report(args, out: Path, results: list[dict], header: dict) -> None:
+    """report.json, report.md and (unless --no-plots) the figures under ``out``; the table on stdout."""
     table = leaderboard.markdown(results, header)
     (out / "report.json").write_text(json.dumps({"header": header, "results": results}, indent=1) + "\n")
     (out / "report.md").write_text(table)
