@@ -1,6 +1,6 @@
 """kvcache's imports go one way (docs/ARCHITECTURE.md): no module imports another in a circle,
-counting imports inside functions and the package ``__init__`` every import runs, and the
-lower layers never import the upper ones."""
+counting imports inside functions, the package ``__init__`` every import runs and the modules a
+package discovers (the policies and storages), and the lower layers never import the upper ones."""
 
 from __future__ import annotations
 
@@ -73,10 +73,31 @@ def imports(name: str) -> set[str]:
                 found.add(t)
                 parts = t.split(".")
                 found.update(".".join(parts[:i]) for i in range(2, len(parts)) if ".".join(parts[:i]) in MODULES)
+    found |= discovered(name, tree, package)
     found.discard(name)
     # A package's __init__ importing its own submodules is how packages are assembled, not a
     # dependency of the submodules on each other: only edges from a module to others count.
     return found
+
+
+def discovered(name: str, tree: ast.Module, package: str) -> set[str]:
+    """The modules ``name`` imports by discovery: every module of a package whose ``__path__`` it
+    walks with ``pkgutil.iter_modules`` (and imports with importlib), its own or one it imported."""
+    aliases = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+            for alias in node.names:
+                aliases[alias.asname or alias.name] = ".".join(base + ([node.module] if node.module else []) + [alias.name])
+    walked = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "iter_modules" and node.args:
+            arg = node.args[0]
+            if isinstance(arg, ast.Name) and arg.id == "__path__":
+                walked.add(name)
+            elif isinstance(arg, ast.Attribute) and arg.attr == "__path__" and isinstance(arg.value, ast.Name):
+                walked.add(aliases.get(arg.value.id, arg.value.id))
+    return {m for m in MODULES for p in walked if m.startswith(p + ".") and "." not in m[len(p) + 1:]}
 
 
 def layer_of(name: str) -> str | None:

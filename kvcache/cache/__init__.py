@@ -5,7 +5,8 @@ from .budgets import adaptive_head_budgets, layer_budgets
 from .candidates import Candidates
 from .headwise import HeadwiseCache
 from .options import OptionInfo, option
-from .registry import budget_options, make_cache, option_info, policies, policy_options, register, storages
+from .policies import register
+from .registry import budget_options, make_cache, option_info, policies, policy_options, storages
 from .rows import Rows
 
 __all__ = [

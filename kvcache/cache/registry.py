@@ -14,9 +14,6 @@ policy is adding a file. Policies defined elsewhere register with ``register``.
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import inspect
-import pkgutil
 import re
 import warnings
 from collections.abc import Sequence
@@ -25,55 +22,15 @@ import torch
 
 from ..errors import KVCacheWarning
 from ..memory import check_fits
-from . import policies as _policy_package
 from .base import CacheSpec, KVCache, LayerCache
 from .blocks import check_block
 from .budgets import layer_budgets
 from .headwise import HeadwiseCache
 from .options import OptionInfo, build, describe
+from .policies import POLICIES as _POLICIES
+from .policies import discover as _discover
+from .policies import lookup as _lookup
 from .storage import STORAGES, check_storage, parse_storage
-
-_POLICIES: dict[str, type[LayerCache]] = {}
-_DISCOVERED = False
-
-
-def register(cls: type[LayerCache]) -> type[LayerCache]:
-    """Register a layer cache class under its ``name`` (usable as a class decorator)."""
-    _discover()
-    return _add(cls)
-
-
-def _add(cls: type[LayerCache]) -> type[LayerCache]:
-    name = getattr(cls, "name", None)
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"{cls.__name__} needs a class attribute `name` (a non-empty string) to be registered")
-    if ":" in name:
-        raise ValueError(f"a policy name cannot contain ':' (it separates the storage), got {name!r}")
-    if _POLICIES.get(name, cls) is not cls:
-        raise ValueError(f"a policy named {name!r} is already registered")
-    _POLICIES[name] = cls
-    return cls
-
-
-def _discover() -> None:
-    """Import every module of the policies package and register the policies defined there."""
-    global _DISCOVERED
-    if _DISCOVERED:
-        return
-    _DISCOVERED = True
-    for info in sorted(pkgutil.iter_modules(_policy_package.__path__), key=lambda m: m.name):
-        module = importlib.import_module(f"{_policy_package.__name__}.{info.name}")
-        for _, cls in inspect.getmembers(module, inspect.isclass):
-            if (cls.__module__ == module.__name__ and issubclass(cls, LayerCache)
-                    and not inspect.isabstract(cls) and "name" in vars(cls)):
-                _add(cls)
-
-
-def _lookup(policy: str) -> type[LayerCache]:
-    _discover()
-    if policy not in _POLICIES:
-        raise ValueError(f"unknown policy {policy!r}; available: {', '.join(sorted(_POLICIES))}")
-    return _POLICIES[policy]
 
 
 def policy_class(policy: str) -> type[LayerCache]:

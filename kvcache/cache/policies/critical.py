@@ -21,6 +21,7 @@ from ..base import CacheSpec
 from ..candidates import Candidates
 from ..evicting import EvictingCache, coarse, rank_newest_first
 from ..options import option
+from . import lookup
 
 BASES = ("knorm", "keydiff", "lagkv", "random", "h2o", "tova", "snapkv")
 
@@ -59,15 +60,13 @@ class CriticalCache(EvictingCache):
     per_head = True
 
     def __init__(self, spec: CacheSpec, options) -> None:
-        from ..registry import budget_options, policy_class
-
         if spec.out_proj is None:
             raise ValueError("critical needs the layer's output projection, which kvcache's own model gives "
                              "(kvcache.make_cache); a cache made through kvcache.hf has none")
-        base = policy_class(options.base)
+        base = lookup(options.base)
         # The base only scores: it is given one slot (no buffers worth the name) and skips its own
         # constructor, whose checks are of the room its options need in this cache's budget.
-        settings = base.Options(**budget_options(options.base, spec.cache_length))
+        settings = base.Options(**base.options_for_budget(spec.cache_length))
         self.base = base.__new__(base)
         EvictingCache.__init__(self.base, dataclasses.replace(spec, cache_length=1, reserve=0, block=1), settings)
         # What the base needs from the machinery, it gets through this cache.
