@@ -29,6 +29,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, SlidingWindowSpec
 
+from ..parts.scores import Scores
 from .config import ROTARY, ConfigError, PluginConfig, parse
 from .rule import request_rule
 from .scoring import Work, after_step, needed, parts
@@ -115,6 +116,14 @@ def rotary_frequencies(vllm_config) -> torch.Tensor | None:
     return inverse_frequencies(cfg.rope, cfg.head_dim)
 
 
+def scores_rule(vllm_config) -> Scores | None:
+    """The soft cap of a model that caps its attention scores (Gemma 2), as a scores rule; None
+    otherwise. (vLLM's kernel applies the cap to attention itself; scoring.py needs it for the
+    weights a policy reads.)"""
+    cap = getattr(vllm_config.model_config.hf_text_config, "attn_logit_softcapping", None)
+    return None if cap is None else Scores(softcap=float(cap))
+
+
 def check_pool(spec: KVCacheAttentionSpec, vllm_config) -> None:
     """Refuse, at start-up and saying what the bound is made of, a KV cache memory
     (``kv_cache_memory_bytes``) too small for one request under the policy, which vLLM's own
@@ -149,6 +158,7 @@ class KVCacheCPUBackend(CPUAttentionBackend):
             ENGINE.inv_freq = rotary_frequencies(vllm_config)
             ENGINE.in_flight_tokens = vllm_config.max_in_flight_tokens
             ENGINE.vllm_config = vllm_config
+            ENGINE.scores = scores_rule(vllm_config)
             ENGINE.known = True
         return KVCacheCPUImpl
 

@@ -190,7 +190,7 @@ def _observe_decode(layer_name: str, works: list[Work], isa: str, query: torch.T
             stats[:, r, :, : len(c) * N] = torch.stack(_stats(state, policy, c, Hp, N)).reshape(-1, Hp, len(c) * N)
     q = torch.stack([query[w.q_start] for w in works]).float()[:, :, None]  # (R, Hq, 1, D)
     visible = positions >= 0
-    _, mass = attention.decode(q, keys, None, visible, want_mass=True, outputs=False)
+    _, mass = attention.decode(q, keys, None, visible, want_mass=True, outputs=False, scores=ENGINE.scores)
     step = Step(positions=torch.tensor([[w.seen] for w in works]), valid=torch.ones(R, 1, dtype=torch.bool),
                 append_slot=torch.tensor([[w.seen] for w in works]), last_index=torch.zeros(R, dtype=torch.long),
                 newest=torch.tensor([w.seen for w in works]), start=torch.tensor([w.seen for w in works]),
@@ -260,7 +260,8 @@ def _score(state: LayerState, work: Work, isa: str, query: torch.Tensor, kv_cach
         heard = torch.cat([h for h, _, _ in pending], 2)
         q_pos = torch.cat([p for _, p, _ in pending])[None]
         weight = torch.cat([w for _, _, w in pending])[None]
-        _, mass, seen_by = attention.masked_with_weights(heard, keys, None, q_pos, positions, weight, outputs=False)
+        _, mass, seen_by = attention.masked_with_weights(heard, keys, None, q_pos, positions, weight, outputs=False,
+                                                         scores=ENGINE.scores)
     c = Candidates(keys, values, positions, stats, q[:, :, -min(q.shape[2], end - start):], step, mass, seen_by)
     if observes and mass is not None:
         policy.observe(c)

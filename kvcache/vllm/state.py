@@ -28,6 +28,9 @@ class EngineConfig:
     in_flight_tokens: int = 0
     # The VllmConfig itself, for the start-up check of the KV cache memory (backend.check_pool).
     vllm_config: object = None
+    # The model's rule for attention scores (Gemma 2's soft cap), which the weights a scoring
+    # policy reads are computed with (scoring.py); None for plain softmax attention.
+    scores: object = None
 
 
 @dataclasses.dataclass(frozen=True)

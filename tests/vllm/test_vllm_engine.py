@@ -187,6 +187,21 @@ def test_tokens_equal_kvcache_and_blocks_stay_within_budget(checkpoint, policy):
     assert want != kvcache_tokens(checkpoint, None, prompt_ids, NEW_TOKENS)
 
 
+@pytest.mark.parametrize("policy", ["window", "snapkv"])
+def test_gemma2_soft_caps_give_kvcache_tokens(tmp_path, policy):
+    """Gemma 2 in vLLM: its soft caps are vLLM's attention's (the stock kernel caps), the policy
+    bounds the global layers, and the tokens are kvcache's own model's."""
+    config = POLICIES[policy]
+    path = build("gemma2", tmp_path / "gemma2")
+    prompt_ids = prompts()
+    llm = engine(path, config)
+    try:
+        run = run_stepwise(llm, prompt_ids)
+    finally:
+        close(llm)
+    assert run.tokens == kvcache_tokens(path, config, prompt_ids, NEW_TOKENS, run.chunks)
+
+
 # KV memory for 12 blocks (11 usable: vLLM keeps one as its null block), and a prompt four times
 # as long as the 12 blocks hold.
 POOL_BLOCKS = 12

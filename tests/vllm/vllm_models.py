@@ -55,6 +55,10 @@ def build(name: str, path: Path) -> Path:
             **{**common, "num_hidden_layers": 3}, head_dim=32, query_pre_attn_scalar=32,
             sliding_window=32, rope_parameters=rope,
             layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+        # Gemma 2: soft-capped scores (a cap that bends them) and logits, sliding and global layers.
+        "gemma2": lambda: transformers.Gemma2Config(
+            **{**common, "num_hidden_layers": 3, "tie_word_embeddings": True}, head_dim=32, query_pre_attn_scalar=32,
+            sliding_window=32, attn_logit_softcapping=5.0, final_logit_softcapping=10.0),
     }
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(configs[name](), dtype=torch.float32)
@@ -63,12 +67,12 @@ def build(name: str, path: Path) -> Path:
         for pname, p in model.named_parameters():
             if pname.endswith("norm.weight"):
                 # Gemma's norms scale by (1 + w): its weights are offsets from one.
-                p.copy_((0.0 if name == "gemma3" else 1.0) + 0.3 * torch.randn(p.shape, generator=gen))
+                p.copy_((0.0 if name.startswith("gemma") else 1.0) + 0.3 * torch.randn(p.shape, generator=gen))
             elif pname.endswith("bias"):
                 p.copy_(0.3 * torch.randn(p.shape, generator=gen))
             elif "embed_tokens" in pname:
                 # Gemma multiplies them by sqrt(hidden): inputs of order one.
-                scale = 128**-0.5 if name == "gemma3" else 1.0
+                scale = 128**-0.5 if name.startswith("gemma") else 1.0
                 p.copy_(scale * torch.randn(p.shape, generator=gen))
             else:
                 scale = 2.0 if pname.endswith(("q_proj.weight", "k_proj.weight")) else 1.0
