@@ -152,6 +152,22 @@ def sentencepiece_vocab(pieces: list[str]) -> tuple[list[str], list[int]]:
     return tokens, types
 
 
+def _sentencepiece_metadata(writer, tokens: list[str], types: list[int], *, space_prefix: bool) -> None:
+    """A SentencePiece vocabulary (``sentencepiece_vocab``'s) as llama.cpp writes it: listed best
+    first, scores falling with the rank, <pad> <eos> <bos> <unk> at 0 to 3."""
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([-float(i) for i in range(len(tokens))])
+    writer.add_token_types(types)
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_unk_token_id(3)
+    writer.add_pad_token_id(0)
+    writer.add_add_bos_token(True)
+    writer.add_add_space_prefix(space_prefix)
+
+
 def write_gemma3_gguf(path: Path, model, tokens: list[str], types: list[int]) -> None:
     """Write the transformers Gemma 3 or Gemma 2 ``model`` (float32 weights) with the vocabulary
     ``tokens`` as a GGUF file, as llama.cpp's converter writes one."""
@@ -165,17 +181,7 @@ def write_gemma3_gguf(path: Path, model, tokens: list[str], types: list[int]) ->
     writer.add_key_length(cfg.head_dim)
     writer.add_value_length(cfg.head_dim)
     writer.add_sliding_window(cfg.sliding_window)
-    writer.add_tokenizer_model("llama")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_scores([-float(i) for i in range(len(tokens))])
-    writer.add_token_types(types)
-    writer.add_bos_token_id(2)
-    writer.add_eos_token_id(1)
-    writer.add_unk_token_id(3)
-    writer.add_pad_token_id(0)
-    writer.add_add_bos_token(True)
-    writer.add_add_space_prefix(False)
+    _sentencepiece_metadata(writer, tokens, types, space_prefix=False)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight":
             continue  # tied
@@ -209,17 +215,7 @@ def write_phi3_gguf(path: Path, model, tokens: list[str], types: list[int]) -> N
     rope = cfg.rope_parameters
     writer = _writer(path, "phi3", cfg, rope["rope_theta"])
     writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
-    writer.add_tokenizer_model("llama")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_scores([-float(i) for i in range(len(tokens))])
-    writer.add_token_types(types)
-    writer.add_bos_token_id(2)
-    writer.add_eos_token_id(1)
-    writer.add_unk_token_id(3)
-    writer.add_pad_token_id(0)
-    writer.add_add_bos_token(True)
-    writer.add_add_space_prefix(True)
+    _sentencepiece_metadata(writer, tokens, types, space_prefix=True)
     if rope.get("rope_type") == "longrope":
         original = cfg.original_max_position_embeddings
         scale = cfg.max_position_embeddings / original
