@@ -24,6 +24,7 @@ def make_cache(
     allocation: str | Sequence[int] = "uniform",
     head_budgets: Sequence[Sequence[int]] | None = None,
     reserve: int = 0,
+    block: int = 1,
     **options: object,
 ) -> HFCache:
     """A transformers ``Cache`` for ``model`` (a ``PreTrainedModel``) whose layers are kvcache
@@ -32,7 +33,7 @@ def make_cache(
 
     The arguments are ``kvcache.make_cache``'s, with the same meaning and checks: ``cache_length``
     tokens per row and layer (or a fraction of ``prompt_length``), ``batch_size`` rows,
-    ``allocation``, ``head_budgets``, ``reserve`` and the policy's own ``options``. Pass the result
+    ``allocation``, ``head_budgets``, ``reserve``, ``block`` and the policy's own ``options``. Pass the result
     as ``past_key_values`` to ``model(...)`` or ``model.generate(...)``; it is one sequence of
     calls' state, like a ``DynamicCache``, and ``reset()`` empties it.
 
@@ -44,7 +45,7 @@ def make_cache(
     try:
         kv = make_kvcache(geometry.as_kvcache_model(g, model), policy, cache_length=cache_length, batch_size=batch_size,
                           prompt_length=prompt_length, allocation=allocation, head_budgets=head_budgets,
-                          reserve=reserve, **options)
+                          reserve=reserve, block=block, **options)
     except ValueError as e:
         if g.inv_freqs is None and "inv_freq" in str(e):
             raise UnsupportedModelError(f"{e}; {type(model).__name__} has none kvcache can use: {g.rope_note}") from None

@@ -14,6 +14,7 @@ import transformers
 from conftest import CACHE_ATOL, DEVICE, HYBRID, SCORED, max_diff, random_ids
 from hf_models import OTHER_FAMILIES, build, greedy, left_pad, make
 
+import kvcache
 import kvcache.hf
 from kvcache.hf import cache_kwargs
 
@@ -138,3 +139,13 @@ def test_sizes_report_tokens_seen_not_slots_held():
     assert not cache.is_compileable and len(cache) == 2 and cache.batch_size == 1
     cache.reset()
     assert cache.get_seq_length() == 0 and cache.lengths.tolist() == [0]
+
+
+def test_make_cache_takes_make_caches_arguments():
+    """kvcache.hf.make_cache's signature is kvcache.make_cache's, less the model (and plus nothing)."""
+    import inspect
+
+    ours = inspect.signature(kvcache.hf.make_cache).parameters
+    theirs = inspect.signature(kvcache.make_cache).parameters
+    assert list(ours) == list(theirs)
+    assert all(ours[n].default == theirs[n].default and ours[n].kind == theirs[n].kind for n in ours)
