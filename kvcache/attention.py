@@ -18,7 +18,8 @@ Paths:
 A family's own scores rule (``parts.scores.Scores``: Gemma 2's soft-capping, gpt-oss's learned
 sink logits), passed as ``scores``, sends every path to the explicit softmax, which applies it.
 Packed keys and values (a quantized storage's ``view``) go to ``kernels``, which attends over the
-codes block by block with the same arguments and results; nothing here decodes them.
+codes block by block with the same arguments and results; nothing here decodes them, but for a
+call with a scores rule, which the packed kernels do not apply: those read the codes back first.
 Decode never uses ``is_causal=True``: SDPA aligns that mask top-left, so a one-token query would
 see only key 0.
 """
@@ -189,8 +190,9 @@ def masked_with_weights(
     logits the mass a query gives the keys sums to less than one.
     The softmax weights exist only for ``QUERY_BLOCK`` queries at a time.
     """
+    if kernels.is_packed(k) and scores is not None:
+        k, v = _decoded(k, v)
     if kernels.is_packed(k):
-        _refuse_packed(scores)
         out, mass, seen = kernels.attend(q, k, v, q_pos, k_pos, window=window, sinks=sinks, limit=limit,
                                          q_weight=q_weight, q_sink=q_sink)
         return (out if outputs else None), mass, seen
@@ -255,8 +257,9 @@ def decode(
     (B, Hkv, S) float32, from explicit softmax weights. ``scores`` (the family's rule) takes the
     explicit path too.
     """
+    if kernels.is_packed(k) and scores is not None:
+        k, v = _decoded(k, v)
     if kernels.is_packed(k):
-        _refuse_packed(scores)
         out, mass = kernels.decode(q, k, v, visible, q_sink=q_sink, sink_slots=sink_slots, want_mass=want_mass)
         return (out if outputs else None), mass
     if not (outputs or want_mass):
@@ -303,12 +306,11 @@ def sink_bias(q: torch.Tensor, q_sink: torch.Tensor, k: torch.Tensor, cols: slic
     return bias
 
 
-def _refuse_packed(scores: Scores | None) -> None:
-    """The packed kernels apply no scores rule; caches of such models keep full-precision storage
-    (the registry refuses the others), so this is a caller's mistake."""
-    if scores is not None:
-        raise ValueError("attention over packed (quantized) keys does not implement soft-capping or sink logits; "
-                         "use storage='full' for this model")
+def _decoded(k, v) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Packed keys and values read back at the model's dtype: the packed kernels apply no scores
+    rule, so a model with one (soft caps, sink logits) attends its codes decoded, at the cost of
+    a full-precision copy of the slots per call."""
+    return k.decoded(), None if v is None else v.decoded()
 
 
 def _decode_fused(qh, k, v, visible, q_sink, sink_slots) -> torch.Tensor:

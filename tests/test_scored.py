@@ -136,8 +136,27 @@ def test_gradients_equal_transformers(checkpoint_factory, model_factory, family)
     assert max(errors.values()) <= 1e-4, max(errors, key=errors.get)
 
 
-@pytest.mark.parametrize("storage", ["int8", "int4", "kivi2"])
-def test_quantized_storages_are_refused_with_the_reason(model_factory, storage):
+@pytest.mark.parametrize("storage", ["int4", "kivi2"])
+def test_kivi_storages_are_refused_with_the_reason(model_factory, storage):
+    """KIVI attends a chunk with its own kernel, which applies no scores rule."""
     model = model_factory("gpt_oss")
-    with pytest.raises(ValueError, match="storage='full'"):
-        kvcache.make_cache(model, f"h2o:{storage}", cache_length=16)
+    with pytest.raises(ValueError, match="per-token layout"):
+        kvcache.make_cache(model, f"h2o:{storage}", cache_length=64)
+
+
+@pytest.mark.parametrize("family", SCORED)
+@pytest.mark.parametrize("policy", ["dense:int8", "h2o:token4"])
+def test_per_token_storages_attend_their_codes_with_the_rule(model_factory, family, policy):
+    """A per-token quantized storage on these models: its codes read back and attended with the
+    family's rule, one token at a time and in chunks of 7, near full precision's logits."""
+    model = model_factory(family)
+    ids = random_ids(T, batch=2, seed=7)
+    C = T if policy.startswith("dense") else 16
+    with torch.inference_mode():
+        full = model(ids)
+        one, seven = (feed(model, ids, kvcache.make_cache(model, policy, cache_length=C, batch_size=2, **(
+            {"recent": 4} if "h2o" in policy else {})), n) for n in (1, 7))
+    assert kvcache.make_cache(model, policy, cache_length=C).spec.storage != "full"
+    if policy.startswith("dense"):
+        assert max(max_diff(one, full), max_diff(seven, full)) <= 0.05
+    assert torch.isfinite(one).all() and torch.isfinite(seven).all()

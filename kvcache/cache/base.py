@@ -75,9 +75,6 @@ class CacheSpec:
             raise ValueError(f"batch_size must be positive, got {self.batch_size}")
         if self.cache_length <= 0:
             raise ValueError(f"cache_length must be positive, got {self.cache_length}")
-        if self.scores is not None and self.storage != "full":
-            raise ValueError(f"storage {self.storage!r} keeps packed keys, whose kernels implement neither "
-                             "soft-capping nor sink logits, which this model's attention uses; use storage='full'")
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, *, batch_size: int, cache_length: int, storage: str = "full",

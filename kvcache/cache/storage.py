@@ -224,4 +224,11 @@ def make_storage(spec: CacheSpec, per_head: bool = False, limit: int | None = No
     ``limit``: every position a slot will hold is below it (a cache that keeps every token: its
     ``cache_length``), so positions take a narrower type (positions.py); None: any position."""
     kind = check_storage(spec.storage, spec.head_dim)
-    return LAYOUTS[kind.layout].build(spec, kind.bits, kind.group, per_head, limit)
+    store = LAYOUTS[kind.layout].build(spec, kind.bits, kind.group, per_head, limit)
+    if spec.scores is not None and store.packed and not store.exact_roundtrip:
+        # A chunk over such a layout is attended by the storage's own kernel (its keys change layout
+        # as a group fills), which applies no soft cap or sink logits.
+        raise ValueError(f"storage {spec.storage!r} ({kind.layout}) attends a chunk with its own kernel, which "
+                         "implements neither soft-capping nor sink logits, which this model's attention uses; use "
+                         "a per-token layout (int8, token8, token4, token2) or full")
+    return store

@@ -62,7 +62,7 @@ class DenseCache(LayerCache):
             return store.attend_chunk(q, step.positions, step.n_tokens, self.spec.sliding_window)
         span = step.span_end
         ks, vs, pos = store.view(span)
-        if readback and store.packed:
+        if readback and store.packed and self.spec.scores is None:
             # The stored slots decoded a block at a time, each through the fused kernel: never a
             # full-precision copy of the whole cache.
             return kernels.attend_decoded(q, ks, vs, step.positions, pos, window=self.spec.sliding_window)
