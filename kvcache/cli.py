@@ -1,5 +1,5 @@
 """The ``kvcache`` command line: ``kvcache generate``, ``kvcache eval``, ``kvcache finetune``,
-``kvcache drift`` and ``kvcache policies``.
+``kvcache drift``, ``kvcache policies``, ``kvcache convert`` and ``kvcache fetch``.
 
 Generated text goes to stdout (or one JSON object per prompt with ``--json``); progress, the
 summary and errors go to stderr, so the output can be piped.
@@ -36,7 +36,7 @@ THREADS_HELP = (
     "CPU threads for torch (default: 1 for a model of up to 50M parameters, such as the bundled one; "
     "else torch's, usually one per core, but no more than the cores the load average leaves idle; "
     "OMP_NUM_THREADS, when set, is kept). Use 1 when another CPU-bound process shares the machine: "
-    "with one running on 2 cores, 2 threads gave 383 tok/s prefill and 31 tok/s decode, 1 thread 5700 and 243"
+    "threads then wait on each other at every operation (docs/cli.md, Threads, has the figures)"
 )
 
 

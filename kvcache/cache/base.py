@@ -54,7 +54,8 @@ class CacheSpec:
     sliding_window: int | None = None
     # (D // 2,) rotary frequencies, for policies that renumber positions.
     inv_freq: torch.Tensor | None = None
-    # How keys and values are kept: "full" (the model's dtype), "int8" or "int4" (see storage.py).
+    # How keys and values are kept: a storage name (storage.STORAGES: "full", the model's dtype;
+    # "int8", "int4", "int2"; "kivi4/32", "token8", ...; see storage.py).
     storage: str = "full"
     # Slots an evicting policy leaves free when a chunk overflows: it keeps cache_length - reserve
     # tokens, and the next reserve tokens are appended without evicting (see evicting.py).
