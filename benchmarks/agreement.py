@@ -24,6 +24,7 @@ from emit import emit
 import kvcache
 from kvcache.evaluate import reference_logprobs, streaming
 from kvcache.tasks import DEFAULT_TEXTS, read_texts
+from kvcache.threads import set_threads
 
 
 def log(*args) -> None:
@@ -40,7 +41,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     model = kvcache.load(None, dtype=torch.float32)
     tokenizer = kvcache.load_tokenizer(None)
     source = Path(args.texts) if args.texts else DEFAULT_TEXTS

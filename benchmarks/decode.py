@@ -65,6 +65,7 @@ import torch
 import torch.nn.functional as F
 
 import kvcache
+from kvcache.threads import set_threads
 
 # name -> (model key, prompt tokens)
 SHAPES: dict[str, tuple[str, int]] = {
@@ -737,7 +738,7 @@ def run(args, error, on_cell=None, models: dict | None = None) -> dict:
     if args.int4_weights and device.type != "cpu":
         error("--int4-weights runs on the CPU only (torch's int4 kernel)")
     if args.threads:
-        torch.set_num_threads(args.threads)
+        set_threads(args.threads)
     if args.compiled:
         allow_recompiles()
         cold_compiles(device)

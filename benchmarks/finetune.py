@@ -38,10 +38,11 @@ import json, resource, sys, time
 import torch
 import torch.nn.functional as F
 import kvcache
+from kvcache.threads import set_threads
 from kvcache.cache.registry import budget_options
 
 cfg = json.loads(sys.argv[1])
-torch.set_num_threads(cfg["threads"])
+set_threads(cfg["threads"])
 model = kvcache.load(dtype=torch.float32)
 model.train()
 V = model.config.vocab_size

@@ -33,6 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvcache.threads import set_threads
+
 # A Llama layout (Hugging Face config.json fields) of about 125M parameters: 12 layers, hidden 768,
 # 12 query and 4 K/V heads, untied output head, vocabulary 32000.
 LLAMA_125M = {
@@ -62,7 +64,7 @@ def rank_main(cfg: dict) -> None:
         local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors if t is not None]
         return sum(t.numel() * t.element_size() for t in local)
 
-    torch.set_num_threads(cfg["threads"])
+    set_threads(cfg["threads"])
     rank, world = init_distributed(timeout=1800)
     base = rss()
     how = cfg["how"]

@@ -72,6 +72,7 @@ import torch
 
 import kvcache
 from kvcache import drift
+from kvcache.threads import set_threads
 
 ROOT = Path(__file__).resolve().parent.parent
 PARTS = ["suite", "decode", "policies", "packed", "drift"]
@@ -781,7 +782,7 @@ def main(argv: list[str] | None = None) -> int:
         if device.type == "cpu":
             # As the benchmarks' own --threads 1: on a small shared machine torch's parallel regions
             # stall (drift's would take 5x longer on 2 cores).
-            torch.set_num_threads(1)
+            set_threads(1)
         report["done"], report["part_seconds"] = [], {}
         for part in parts:
             report["running"] = part  # the parent's clock for this part's budget

@@ -30,6 +30,7 @@ import kvcache
 from kvcache.cache.registry import sliding_layers
 from kvcache.config import ModelConfig
 from kvcache.tasks import DEFAULT_TEXTS
+from kvcache.threads import set_threads
 
 FLOORS = {4096: 0.35, 32768: 0.2}
 
@@ -94,7 +95,7 @@ def main() -> None:
     parser.add_argument("--memory-only", action="store_true", help="part 1 alone (no weights are read)")
     parser.add_argument("--out", help="also write the JSON here")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     load = list(os.getloadavg())
     path = args.model
     if path is None:

@@ -49,6 +49,7 @@ from kvcache.checkpoint import load, load_tokenizer
 from kvcache.quant.codes import decode_tokens, encode_tokens, key_clip, quantize, quantize_scaled
 from kvcache.rope import apply_rope
 from kvcache.tasks import read_texts
+from kvcache.threads import set_threads
 
 GROUP = 64  # slots per key group, as kivi2's
 BITS = 2
@@ -224,7 +225,7 @@ def main() -> None:
     args = p.parse_args()
     if args.tokens % GROUP:
         p.error(f"--tokens must be a multiple of {GROUP}")
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     tokenizer, model = load_tokenizer(None), load(None)
     if args.text is None:
         ids = read_texts(None, tokenizer)[None, : args.tokens]

@@ -22,6 +22,7 @@ import torch
 
 import kvcache
 from kvcache.kernels import CHANNEL
+from kvcache.threads import set_threads
 
 
 def channel_share(cache) -> float:
@@ -45,7 +46,7 @@ def main() -> None:
     p.add_argument("--decode", type=int, default=64)
     p.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     model = kvcache.load()
     total = args.prompt + args.decode
     ids = torch.randint(3, model.config.vocab_size, (1, total), generator=torch.Generator().manual_seed(0))

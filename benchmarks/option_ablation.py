@@ -27,6 +27,7 @@ from kvcache.eval import ruler
 from kvcache.eval.cell import answer, make_cell_cache, saturated
 from kvcache.eval.sample import encode
 from kvcache.eval.scoring import score
+from kvcache.threads import set_threads
 
 
 @torch.inference_mode()
@@ -56,7 +57,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=None, help="also write the JSON here")
     a = ap.parse_args()
-    torch.set_num_threads(a.threads)
+    set_threads(a.threads)
     model, tokenizer = load(a.model), load_tokenizer(a.model)
     rows = []
     for task in a.tasks:

@@ -41,6 +41,7 @@ from emit import emit
 
 import kvcache
 from kvcache.compile import CompiledDecode
+from kvcache.threads import set_threads
 
 POLICIES = {
     "dense": {},
@@ -196,7 +197,7 @@ def run(args, error, on_group=None) -> dict:
     """The benchmark of parsed ``args`` (the options of ``parser()``) as one JSON-ready dict;
     ``on_group(report)``, if given, is called with the report as it stands after every group."""
     if args.threads:
-        torch.set_num_threads(args.threads)
+        set_threads(args.threads)
     device = parse_device(args.device, error)
     dtype = DTYPES[args.dtype or ("float32" if device.type == "cpu" else "bfloat16")]
     names = [n.strip() for n in (args.policies or ",".join(POLICIES)).split(",") if n.strip() not in ("", "dense")]

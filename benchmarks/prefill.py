@@ -40,6 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import kvcache
+from kvcache.threads import set_threads
 
 STORAGES = ["full", "int8", "int4", "int2", "token4"]
 MODELS = {"bundled": 4096, "llama64": 32768, "llama128": 32768, "llama256": 32768}  # the longest prompt each takes
@@ -102,7 +103,7 @@ def run_case(model_dir: str | None, storage: str, tokens: int, chunk: int | None
              dtype: str = "float32", live: bool = False) -> dict:
     """One prefill in this process: peak memory above the model, seconds and CPU seconds; with
     ``live``, then the peak of live tensor bytes of a second prefill (the cache included)."""
-    torch.set_num_threads(threads)
+    set_threads(threads)
     model = kvcache.load(model_dir, dtype=getattr(torch, dtype))
     ids = torch.randint(3, model.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(1))
     rss.trim()

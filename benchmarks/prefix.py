@@ -19,7 +19,7 @@ The model is a random Llama (fixed seed) of 15.7M parameters: hidden 384, 6 laye
 2 K/V heads, vocabulary 8192 (the bundled tokenizer's), fp32 on CPU. It is sized so that the run
 takes a few minutes on 2 cores: a full 8448-token prefill takes 5 to 12 s on one thread.
 
-Timing: one thread (``torch.set_num_threads(1)``: the machine is shared, and one thread is the
+Timing: one thread (``set_threads(1)``: the machine is shared, and one thread is the
 steadiest); runs with and without the store are interleaved, alternating which goes first, and
 medians are reported, as is the median over questions of the ratio of the two runs of one question
 (each pair runs back to back, so a change of the machine's load during the run cancels out).
@@ -44,6 +44,7 @@ import torch
 
 import kvcache
 from kvcache.tasks import DEFAULT_TEXTS
+from kvcache.threads import set_threads
 
 PREFIX_TOKENS = 8192
 QUESTION_TOKENS = 256
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="prefill_chunk of the chat replay, the grid of a scoring policy's reuse (default: 128)")
     parser.add_argument("--skip-shared", action="store_true", help="the chat replay only")
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
+    set_threads(1)
     model = build_model()
     tokenizer = kvcache.load_tokenizer()
     policies = [p for p in args.policies.split(",") if p]

@@ -56,6 +56,7 @@ import kvcache
 from kvcache import attention
 from kvcache.cache import CacheSpec, KVCache
 from kvcache.cache.policies.dense import DenseCache
+from kvcache.threads import set_threads
 
 CPU = torch.device("cpu")
 B, HQ, HKV, D = 1, 32, 8, 128
@@ -129,7 +130,7 @@ def measure_bytes(tokens: int = 32768) -> dict:
 
 def memory_case(case: str, tokens: int) -> dict:
     """Runs in its own process (``--memory-case``): see the module docstring."""
-    torch.set_num_threads(1)
+    set_threads(1)
     gen = torch.Generator().manual_seed(1)
     with torch.inference_mode():
         # Warm the allocator and kernels on a small layer first.
@@ -363,7 +364,7 @@ def run(args, error) -> dict:
     caches = [c for c in MODEL_CACHES if c in wanted]
     if args.batch < 1:
         error("--batch must be >= 1")
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     report = {"torch": torch.__version__, "threads": args.threads, "device": str(device),
               "dtype": str(dtype).removeprefix("torch."), "batch": args.batch}
     if "bytes" in parts:

@@ -34,6 +34,7 @@ from kvcache.eval import ruler
 from kvcache.eval.cell import Bench, Cell, answer, answers, first_chunk, make_cell_cache, prefill, run_cell, run_cells
 from kvcache.eval.sample import encode
 from kvcache.eval.shared import SharedPrefill
+from kvcache.threads import set_threads
 
 
 def log(*args) -> None:
@@ -125,7 +126,7 @@ def main() -> None:
     policies = args.policies.split(",")
     report: dict = {"task": args.task, "length": args.length, "torch": torch.__version__}
     if args.answers:
-        torch.set_num_threads(args.sweep_threads)
+        set_threads(args.sweep_threads)
         report["answers"] = {"threads": args.sweep_threads, **batched(
             model, tokenizer, args.task, args.length, policies, [float(r) for r in args.ratios.split(",")])}
         print(json.dumps(report, indent=1))
@@ -133,12 +134,12 @@ def main() -> None:
     if not args.sweep_only:
         report["parts"] = []
         for threads in args.threads:
-            torch.set_num_threads(threads)
+            set_threads(threads)
             found = {"threads": threads, **parts(model, tokenizer, args.task, args.length, policies[-1], args.ratio)}
             log(json.dumps(found))
             report["parts"].append(found)
     if not args.parts_only:
-        torch.set_num_threads(args.sweep_threads)
+        set_threads(args.sweep_threads)
         report["sweep"] = {"threads": args.sweep_threads,
                            **sweep(model, tokenizer, args.task, args.length, policies, args.ratio)}
     print(json.dumps(report, indent=1))

@@ -33,6 +33,7 @@ import torch
 import kvcache
 from kvcache.config import ModelConfig
 from kvcache.model import Transformer
+from kvcache.threads import set_threads
 
 VOCAB = 256
 
@@ -125,7 +126,7 @@ def main() -> None:
     parser.add_argument("--store-bytes", type=int, default=200_000)
     parser.add_argument("--store-policy", default="dense")
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    set_threads(1)
     model = tiny_model(max_positions=args.tokens + 1)
     out = {"machine": platform.machine(), "torch": torch.__version__, "threads": 1,
            "model": "random Llama, hidden 64, 2 layers, 4/2 heads, vocab 256, fp32", "streams": [], "store": None}

@@ -46,6 +46,7 @@ from torch.profiler import ProfilerActivity
 import kvcache
 from kvcache.cache.registry import check_names, parse_name, policy_class
 from kvcache.compile import captured_decode
+from kvcache.threads import set_threads
 
 PARTS = ["model", "layer"]
 
@@ -262,7 +263,7 @@ def run(args, error) -> dict:
     device = parse_device(args.device, error)
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     if args.threads:
-        torch.set_num_threads(args.threads)
+        set_threads(args.threads)
     allow_recompiles()
     report: dict = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                     "torch": torch.__version__, "steps": args.steps}

@@ -88,6 +88,7 @@ import torch.nn.functional as F
 import kvcache
 from kvcache.tasks import PASSKEY_QUESTION as QUESTION
 from kvcache.tasks import TaskMaker, read_texts
+from kvcache.threads import set_threads
 
 ROOT = Path(__file__).resolve().parent.parent
 N_SINK = 4                   # StreamingLLMPress.n_sink default
@@ -321,7 +322,7 @@ def run(args) -> dict:
     import kvpress
     import transformers
 
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     torch.manual_seed(0)
     transformers.utils.logging.disable_progress_bar()
     tok = kvcache.load_tokenizer(args.model)
@@ -820,7 +821,7 @@ def ruler_side_by_side(args) -> dict:
     from kvcache.eval.sample import encode
     from kvcache.eval.scoring import score
 
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     transformers.utils.logging.disable_progress_bar()
     tok = kvcache.load_tokenizer(args.model)
     model = kvcache.load(args.model, dtype=torch.float32)
@@ -937,7 +938,7 @@ def main(argv=None) -> None:
     if args.presses and set(args.presses) - known:
         ap.error(f"unknown presses {sorted(set(args.presses) - known)}; choose from {sorted(known)}")
     if args.kept_check:
-        torch.set_num_threads(args.threads)
+        set_threads(args.threads)
         tok = kvcache.load_tokenizer(args.model)
         if args.ruler:
             from kvcache.eval import ruler
