@@ -69,8 +69,8 @@ def causal(
     B, Hq, T, D = q.shape
     if scores is not None:
         pos = torch.arange(T, device=q.device).expand(B, T)
-        return masked_with_weights(q, k, v, pos, pos[:, None], pos.new_zeros(B, T, dtype=torch.float32), window=window,
-                                   sinks=sinks, limit=limit, q_sink=q_sink, in_order=True, scores=scores)[0]
+        return masked_with_weights(q, k, v, pos, pos[:, None], None, window=window, sinks=sinks, limit=limit,
+                                   q_sink=q_sink, in_order=True, scores=scores)[0]
     if kernels.is_packed(k):
         pos = torch.arange(T, device=q.device).expand(B, T)
         return kernels.attend(q, k, v, pos, pos[:, None], window=window, sinks=sinks, limit=limit, q_sink=q_sink)[0]
@@ -122,8 +122,7 @@ def masked(
     uniformly filled cache), which skips building the mask. ``scores``: see the module notes.
     """
     if scores is not None:
-        weight = q_pos.new_zeros(q_pos.shape, dtype=torch.float32)
-        return masked_with_weights(q, k, v, q_pos, k_pos, weight, window=window, sinks=sinks, limit=limit,
+        return masked_with_weights(q, k, v, q_pos, k_pos, None, window=window, sinks=sinks, limit=limit,
                                    scores=scores)[0]
     if kernels.is_packed(k):
         return kernels.attend(q, k, v, q_pos, k_pos, window=window, sinks=sinks, limit=limit, all_visible=all_visible)[0]
@@ -162,7 +161,7 @@ def masked_with_weights(
     v: torch.Tensor,
     q_pos: torch.Tensor,
     k_pos: torch.Tensor,
-    q_weight: torch.Tensor,
+    q_weight: torch.Tensor | None,
     *,
     window: int | None = None,
     sinks: int = 0,
@@ -187,11 +186,16 @@ def masked_with_weights(
     prompt alone in an empty cache): a block of queries then reads only the slots up to its
     last query, as no later one is visible to it (about half the work of a long prompt).
     ``scores`` is the family's rule (soft-capping, sink logits; None: plain softmax); with sink
-    logits the mass a query gives the keys sums to less than one.
+    logits the mass a query gives the keys sums to less than one. ``q_weight`` None: the outputs
+    alone, with a scores rule (the attention of a family whose softmax SDPA cannot compute); the
+    totals are then not summed and come back None.
     The softmax weights exist only for ``QUERY_BLOCK`` queries at a time.
     """
     if kernels.is_packed(k) and scores is not None:
         k, v = _decoded(k, v)
+    if q_weight is None and scores is None:
+        raise ValueError("masked_with_weights: q_weight=None (outputs alone) is for a scores rule; without one "
+                         "take masked, the fused kernel")
     if kernels.is_packed(k):
         out, mass, seen = kernels.attend(q, k, v, q_pos, k_pos, window=window, sinks=sinks, limit=limit,
                                          q_weight=q_weight, q_sink=q_sink)
@@ -202,8 +206,9 @@ def masked_with_weights(
     scale = D**-0.5
     rule = PLAIN if scores is None else scores
     out = torch.empty_like(q) if outputs else None
-    mass = torch.zeros(B, Hkv, S, dtype=torch.float32, device=q.device)
-    seen = torch.zeros(B, k_pos.shape[1], S, dtype=torch.float32, device=q.device)
+    totals = q_weight is not None
+    mass = torch.zeros(B, Hkv, S, dtype=torch.float32, device=q.device) if totals else None
+    seen = torch.zeros(B, k_pos.shape[1], S, dtype=torch.float32, device=q.device) if totals else None
     kt = k.transpose(-1, -2)
     # The scale goes on the queries (n x D), not on the scores (n x S).
     q = q * scale
@@ -229,6 +234,8 @@ def masked_with_weights(
             out[:, :, start:stop] = ob.view(B, Hq, n, D)
         # Weighted sums over queries as matrix-vector products: (B, 1, 1, G*n) @ (B, Hkv, G*n, R).
         # (A reduction over the G and query axes of the 5-d weights is several times slower.)
+        if not totals:
+            continue
         qw = q_weight[:, start:stop].float()
         mass[..., :R] += (qw.repeat(1, G)[:, None, None, :] @ weights.view(B, Hkv, G * n, R)).squeeze(2)
         seen[..., :R] += (qw[:, None, None, :] @ vis.float()).squeeze(2)

@@ -41,10 +41,14 @@ class Scores:
         """Softmax weights over the last axis of float32 ``scores`` (B, Hkv, G, n, S) (query head
         h = kv_head * G + g), with the keys where ``hidden`` (broadcastable bool) is True left out
         and the sink column, if any, in the denominator only. A row that sees no key gets zero
-        weights with a sink and uniform ones without (padding, which no one reads)."""
+        weights with a sink and uniform ones without (padding, which no one reads). ``scores`` may
+        be overwritten."""
         scores = self.capped(scores)
         if hidden is not None:
-            scores = scores.masked_fill(hidden, torch.finfo(scores.dtype).min)
+            # In place: callers pass a fresh product (or cast) that nothing else holds, so the fill
+            # takes no second buffer of the block's size; a large finite fill (not -inf) keeps a row
+            # with no visible key free of NaN.
+            scores = scores.masked_fill_(hidden, torch.finfo(scores.dtype).min)
         if self.sink_logits is None:
             return scores.softmax(-1)
         _, Hkv, G = scores.shape[:3]
