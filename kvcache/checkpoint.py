@@ -165,27 +165,7 @@ def load(
             model = Transformer(cfg)
     except (RuntimeError, OverflowError) as e:  # sizes torch cannot even compute
         raise CheckpointError(f"{path / 'config.json'} describes a model that cannot be built ({e})") from None
-    expected = model.state_dict()
-    if cfg.tie_word_embeddings:
-        expected.pop("lm_head.weight")
-        state.pop("lm_head.weight", None)
-    for name, ref in expected.items():
-        if name not in state:
-            hf_name = name if name.startswith("lm_head") else f"model.{name}"
-            raise CheckpointError(f"checkpoint {path} is missing tensor {hf_name!r}")
-        if state[name].shape != ref.shape:
-            raise CheckpointError(
-                f"tensor {name!r} in {path} has shape {tuple(state[name].shape)}, "
-                f"but config.json implies {tuple(ref.shape)}"
-            )
-    unexpected = sorted(
-        n for n in state
-        if n not in expected and not n.endswith(_IGNORED_SUFFIXES)
-        and not (cfg.tie_word_embeddings and n == "lm_head.weight")
-    )
-    if unexpected:
-        warnings.warn(f"ignoring {len(unexpected)} unexpected tensors in {path}: {unexpected[:5]}", KVCacheWarning,
-                      stacklevel=2)
+    expected = _check_state(model, cfg, state, path)
     device = devices.canonical(device) if device is not None else torch.device("cpu")
     if dtype is None:
         dtype = torch.float32 if device.type == "cpu" else state["embed_tokens.weight"].dtype
@@ -202,6 +182,30 @@ def load(
     if threads:
         threads_for_model(model)
     return model.eval()
+
+
+def _check_state(model: Transformer, cfg: ModelConfig, state: dict[str, torch.Tensor], path: Path) -> dict:
+    """The model's own tensors (less a tied head), each checked present in ``state`` with its
+    shape (CheckpointError naming it); the checkpoint's tensors the model has no use for are
+    warned about. ``state``'s tied head is dropped."""
+    expected = model.state_dict()
+    if cfg.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+        state.pop("lm_head.weight", None)
+    for name, ref in expected.items():
+        if name not in state:
+            hf_name = name if name.startswith("lm_head") else f"model.{name}"
+            raise CheckpointError(f"checkpoint {path} is missing tensor {hf_name!r}")
+        if state[name].shape != ref.shape:
+            raise CheckpointError(
+                f"tensor {name!r} in {path} has shape {tuple(state[name].shape)}, "
+                f"but config.json implies {tuple(ref.shape)}"
+            )
+    unexpected = sorted(n for n in state if n not in expected and not n.endswith(_IGNORED_SUFFIXES))
+    if unexpected:
+        warnings.warn(f"ignoring {len(unexpected)} unexpected tensors in {path}: {unexpected[:5]}", KVCacheWarning,
+                      stacklevel=3)
+    return expected
 
 
 # A multimodal checkpoint (Gemma 3's ConditionalGeneration) keeps its language model under one of

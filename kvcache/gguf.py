@@ -289,7 +289,10 @@ def _join_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if part == "down":
             out[f"{base}.down_proj" + ("" if kind == "weight" else "_bias")] = t.transpose(-1, -2) if kind == "weight" else t
         elif part == "gate":
-            up = tensors[f"{base}.up.{kind}"]
+            up = tensors.get(f"{base}.up.{kind}")
+            if up is None:
+                raise CheckpointError(f"the GGUF file has {name!r}'s gate experts but not their up projections "
+                                      f"(ffn_up_exps.{kind})")
             gate = t.transpose(-1, -2) if kind == "weight" else t
             up = up.transpose(-1, -2) if kind == "weight" else up
             out[f"{base}.gate_up_proj" + ("" if kind == "weight" else "_bias")] = torch.stack((gate, up), -1).flatten(-2)

@@ -243,6 +243,16 @@ def break_even(model: torch.nn.Module, policy: str, *, batch_size: int = 1, larg
 FEW_SLOTS = 16
 
 
+def _warn_few_slots(cls, policy: str, requested: int | float, prompt_length: int | None, tokens: int) -> None:
+    """Warn when a share of the prompt (a float ``cache_length``) leaves an evicting policy fewer
+    than ``FEW_SLOTS`` slots; a token count is what was asked for."""
+    if isinstance(requested, float) and cls.evicts and tokens < FEW_SLOTS:
+        warnings.warn(
+            f"cache_length={requested} of a {prompt_length}-token prompt leaves the {policy} policy {tokens} "
+            f"slot{'s' if tokens != 1 else ''} per layer: it will evict nearly everything and the output may "
+            "degrade; give a larger share or a token count", KVCacheWarning, stacklevel=3)
+
+
 def resolve_budget(cache_length: int | float, prompt_length: int | None) -> int:
     """A token count from ``cache_length``: an int >= 1 as it is, a float in (0, 1] as that
     fraction of ``prompt_length`` (at least one token)."""
@@ -304,11 +314,7 @@ def make_cache(
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     requested = cache_length
     tokens = resolve_budget(cache_length, prompt_length)
-    if isinstance(requested, float) and cls.evicts and tokens < FEW_SLOTS:
-        warnings.warn(
-            f"cache_length={requested} of a {prompt_length}-token prompt leaves the {policy_name} policy {tokens} "
-            f"slot{'s' if tokens != 1 else ''} per layer: it will evict nearly everything and the output may "
-            "degrade; give a larger share or a token count", KVCacheWarning, stacklevel=2)
+    _warn_few_slots(cls, policy_name, requested, prompt_length, tokens)
     cfg = model.config
     check_storage(storage, cfg.head_dim)  # bits and group sizes, before any buffer is allocated
     budgets, head_budgets = _budgets(cls, tokens, cfg, allocation, head_budgets)
