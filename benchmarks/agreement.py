@@ -22,9 +22,9 @@ import torch
 from emit import emit
 
 import kvcache
-from kvcache.evaluate import reference_logprobs, streaming
-from kvcache.tasks import DEFAULT_TEXTS, read_texts
-from kvcache.threads import set_threads
+from kvcache.eval.quality import reference_logprobs, streaming
+from kvcache.eval.tasks import DEFAULT_TEXTS, read_texts
+from kvcache.runtime.threads import set_threads
 
 
 def log(*args) -> None:

@@ -30,7 +30,7 @@ import time
 from emit import emit, machine
 
 import kvcache
-from kvcache.tasks import DEFAULT_TEXTS
+from kvcache.eval.tasks import DEFAULT_TEXTS
 
 
 def log(*args) -> None:
@@ -40,7 +40,7 @@ def log(*args) -> None:
 def model_path(name: str) -> str | None:
     if name == "bundled":
         return None
-    from kvcache.convert import packaged_gguf
+    from kvcache.checkpoints.convert import packaged_gguf
 
     path = packaged_gguf(name)
     if path is None:

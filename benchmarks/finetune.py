@@ -38,7 +38,7 @@ import json, resource, sys, time
 import torch
 import torch.nn.functional as F
 import kvcache
-from kvcache.threads import set_threads
+from kvcache.runtime.threads import set_threads
 from kvcache.cache.registry import budget_options
 
 cfg = json.loads(sys.argv[1])

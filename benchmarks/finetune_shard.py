@@ -33,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvcache.threads import set_threads
+from kvcache.runtime.threads import set_threads
 
 # A Llama layout (Hugging Face config.json fields) of about 125M parameters: 12 layers, hidden 768,
 # 12 query and 4 K/V heads, untied output head, vocabulary 32000.
@@ -52,8 +52,8 @@ def rank_main(cfg: dict) -> None:
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     import kvcache
-    from kvcache.config import ModelConfig
-    from kvcache.model import Transformer
+    from kvcache.model.config import ModelConfig
+    from kvcache.model.transformer import Transformer
     from kvcache.train.shard import init_distributed, rank_rows, shard
 
     def rss() -> int:

@@ -1,6 +1,6 @@
 """Every GPU figure of docs/gpu.md in one command: the test suite on the device, then decode,
 policies under compile, packed-code attention and drift, each benchmark the script (or module) of
-its own name (benchmarks/decode.py, policies.py, quantized.py, kvcache.drift) with the options this
+its own name (benchmarks/decode.py, policies.py, quantized.py, kvcache.eval.drift) with the options this
 script records next to its figures. Writes one JSON and one markdown table; both are rewritten
 after every part, every decode cell, every policy, each packed sub-part and each drift dtype, so a
 run cut short keeps what it measured.
@@ -21,7 +21,7 @@ Parts (``--parts``, default all, in this order):
     packed    quantized.py at 32k tokens, batch 16, bfloat16: one layer's decode step over 8- and
               4-bit packed codes (the Triton kernel on CUDA) against SDPA over bfloat16 keys, then
               end-to-end decode of the 1B shape over int8/int4/int2 against dense.
-    drift     ``kvcache drift`` on the device (kvcache.drift.report) for the bundled model in
+    drift     ``kvcache drift`` on the device (kvcache.eval.drift.report) for the bundled model in
               bfloat16 and float32: cached vs uncached, chunked, a row batched with padding vs
               alone (batch invariance), reused prefixes; kvcache against transformers on the
               same weights.
@@ -71,8 +71,8 @@ import quantized
 import torch
 
 import kvcache
-from kvcache import drift
-from kvcache.threads import set_threads
+from kvcache.eval import drift
+from kvcache.runtime.threads import set_threads
 
 ROOT = Path(__file__).resolve().parent.parent
 PARTS = ["suite", "decode", "policies", "packed", "drift"]

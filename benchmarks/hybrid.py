@@ -28,9 +28,9 @@ from emit import emit, machine
 
 import kvcache
 from kvcache.cache.registry import sliding_layers
-from kvcache.config import ModelConfig
-from kvcache.tasks import DEFAULT_TEXTS
-from kvcache.threads import set_threads
+from kvcache.eval.tasks import DEFAULT_TEXTS
+from kvcache.model.config import ModelConfig
+from kvcache.runtime.threads import set_threads
 
 FLOORS = {4096: 0.35, 32768: 0.2}
 
@@ -99,7 +99,7 @@ def main() -> None:
     load = list(os.getloadavg())
     path = args.model
     if path is None:
-        from kvcache.convert import fetch
+        from kvcache.checkpoints.convert import fetch
 
         path = fetch("gemma3-270m")
     report = {"model": str(path), "machine": machine(load),

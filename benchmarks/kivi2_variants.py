@@ -44,12 +44,12 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kvcache import model as model_module
-from kvcache.checkpoint import load, load_tokenizer
+from kvcache.checkpoints.load import load, load_tokenizer
+from kvcache.eval.tasks import read_texts
+from kvcache.model import transformer as model_module
+from kvcache.model.rope import apply_rope
 from kvcache.quant.codes import decode_tokens, encode_tokens, key_clip, quantize, quantize_scaled
-from kvcache.rope import apply_rope
-from kvcache.tasks import read_texts
-from kvcache.threads import set_threads
+from kvcache.runtime.threads import set_threads
 
 GROUP = 64  # slots per key group, as kivi2's
 BITS = 2
@@ -233,7 +233,7 @@ def main() -> None:
         import tempfile
         from pathlib import Path
 
-        from kvcache.tasks import DEFAULT_TEXTS
+        from kvcache.eval.tasks import DEFAULT_TEXTS
 
         with tempfile.TemporaryDirectory() as one:
             (Path(one) / f"{args.text}.txt").write_text((DEFAULT_TEXTS / f"{args.text}.txt").read_text())

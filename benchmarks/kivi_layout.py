@@ -22,7 +22,7 @@ import torch
 
 import kvcache
 from kvcache.kernels import CHANNEL
-from kvcache.threads import set_threads
+from kvcache.runtime.threads import set_threads
 
 
 def channel_share(cache) -> float:

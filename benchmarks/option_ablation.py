@@ -25,9 +25,9 @@ import torch
 from kvcache import load, load_tokenizer
 from kvcache.eval import ruler
 from kvcache.eval.cell import answer, make_cell_cache, saturated
+from kvcache.eval.metrics import score
 from kvcache.eval.sample import encode
-from kvcache.eval.scoring import score
-from kvcache.threads import set_threads
+from kvcache.runtime.threads import set_threads
 
 
 @torch.inference_mode()

@@ -12,7 +12,7 @@ is the amortised cost, their median an appending step.
 
 ``--prompt N`` prefills every evicting policy with an N-token prompt instead (in chunks of 2048:
 the policy evicts down to ``cache_length`` as it goes); dense still holds at most ``cache_length``.
-``--compiled`` times the captured decode step (``kvcache.compile.CompiledDecode``, CUDA graphs on
+``--compiled`` times the captured decode step (``kvcache.generation.compiled.CompiledDecode``, CUDA graphs on
 CUDA) of every policy whose decode step can be captured (not the ``_reserve64`` variants: batched
 eviction is decided on the host); the capture is made before the timed steps and its seconds are
 reported. ``--device cuda`` runs there, the device synchronised before and after every timed
@@ -40,8 +40,8 @@ from decode import DTYPES, MODELS, allow_recompiles, build_models, free_memory, 
 from emit import emit
 
 import kvcache
-from kvcache.compile import CompiledDecode
-from kvcache.threads import set_threads
+from kvcache.generation.compiled import CompiledDecode
+from kvcache.runtime.threads import set_threads
 
 POLICIES = {
     "dense": {},

@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import kvcache
-from kvcache.threads import set_threads
+from kvcache.runtime.threads import set_threads
 
 STORAGES = ["full", "int8", "int4", "int2", "token4"]
 MODELS = {"bundled": 4096, "llama64": 32768, "llama128": 32768, "llama256": 32768}  # the longest prompt each takes

@@ -43,8 +43,8 @@ import time
 import torch
 
 import kvcache
-from kvcache.tasks import DEFAULT_TEXTS
-from kvcache.threads import set_threads
+from kvcache.eval.tasks import DEFAULT_TEXTS
+from kvcache.runtime.threads import set_threads
 
 PREFIX_TOKENS = 8192
 QUESTION_TOKENS = 256

@@ -53,10 +53,10 @@ from decode import DTYPES, MODELS, build_models, free_memory, parse_device, peak
 from emit import emit
 
 import kvcache
-from kvcache import attention
 from kvcache.cache import CacheSpec, KVCache
 from kvcache.cache.policies.dense import DenseCache
-from kvcache.threads import set_threads
+from kvcache.kernels import attention
+from kvcache.runtime.threads import set_threads
 
 CPU = torch.device("cpu")
 B, HQ, HKV, D = 1, 32, 8, 128

@@ -34,7 +34,7 @@ from kvcache.eval import ruler
 from kvcache.eval.cell import Bench, Cell, answer, answers, first_chunk, make_cell_cache, prefill, run_cell, run_cells
 from kvcache.eval.sample import encode
 from kvcache.eval.shared import SharedPrefill
-from kvcache.threads import set_threads
+from kvcache.runtime.threads import set_threads
 
 
 def log(*args) -> None:

@@ -31,9 +31,9 @@ import time
 import torch
 
 import kvcache
-from kvcache.config import ModelConfig
-from kvcache.model import Transformer
-from kvcache.threads import set_threads
+from kvcache.model.config import ModelConfig
+from kvcache.model.transformer import Transformer
+from kvcache.runtime.threads import set_threads
 
 VOCAB = 256
 

@@ -45,8 +45,8 @@ from torch.profiler import ProfilerActivity
 
 import kvcache
 from kvcache.cache.registry import check_names, parse_name, policy_class
-from kvcache.compile import captured_decode
-from kvcache.threads import set_threads
+from kvcache.generation.compiled import captured_decode
+from kvcache.runtime.threads import set_threads
 
 PARTS = ["model", "layer"]
 

@@ -1,5 +1,5 @@
 """Decode and prefill speed of ``kvcache generate`` by thread count, on an idle CPU and beside
-CPU-bound neighbours: what the default thread choice (kvcache/threads.py) gives against
+CPU-bound neighbours: what the default thread choice (kvcache/runtime/threads.py) gives against
 ``--threads N``.
 
 Each case is one ``kvcache generate --json`` process (the command as a user runs it, default
@@ -44,7 +44,7 @@ def model_path(name: str) -> str | None:
     """The --model argument of a model name (None: the bundled model); raises LookupError if absent."""
     if name == "bundled":
         return None
-    from kvcache.convert import packaged_gguf
+    from kvcache.checkpoints.convert import packaged_gguf
 
     path = packaged_gguf(name)
     if path is None:

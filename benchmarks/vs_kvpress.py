@@ -86,9 +86,9 @@ import torch
 import torch.nn.functional as F
 
 import kvcache
-from kvcache.tasks import PASSKEY_QUESTION as QUESTION
-from kvcache.tasks import TaskMaker, read_texts
-from kvcache.threads import set_threads
+from kvcache.eval.tasks import PASSKEY_QUESTION as QUESTION
+from kvcache.eval.tasks import TaskMaker, read_texts
+from kvcache.runtime.threads import set_threads
 
 ROOT = Path(__file__).resolve().parent.parent
 N_SINK = 4                   # StreamingLLMPress.n_sink default
@@ -761,7 +761,7 @@ def kvzip_check(model_dir: Path, ids: list[int], ratios: list[float]) -> list[di
     import kvpress
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    from kvcache import kvzip
+    from kvcache.generation import reconstruction as kvzip
 
     class Recorded(kvpress.KVzipPress):
         def compress_post(self, model):
@@ -818,8 +818,8 @@ def ruler_side_by_side(args) -> dict:
     import transformers
 
     from kvcache.eval import ruler
+    from kvcache.eval.metrics import score
     from kvcache.eval.sample import encode
-    from kvcache.eval.scoring import score
 
     set_threads(args.threads)
     transformers.utils.logging.disable_progress_bar()

@@ -21,12 +21,12 @@ exact gradients, for fine-tuning (docs/finetune.md).
 """
 
 from .cache import KVCache, LayerCache, adaptive_head_budgets, make_cache, option_info, policies, policy_options, storages
-from .checkpoint import Tokenizer, load, load_tokenizer
-from .config import ModelConfig, RopeConfig
+from .checkpoints.load import Tokenizer, load, load_tokenizer
 from .errors import CapacityError, CheckpointError, GenerationError, KVCacheError, KVCacheWarning, MemoryBudgetError
-from .generate import generate
-from .model import Transformer
-from .prefix import PrefixStore, PrefixStoreError
+from .generation.generate import generate
+from .model.config import ModelConfig, RopeConfig
+from .model.transformer import Transformer
+from .prefix.store import PrefixStore, PrefixStoreError
 from .train.chunked import chunked_loss
 
 __version__ = "0.1.0"

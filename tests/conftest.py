@@ -113,12 +113,16 @@ def pytest_report_header(config):
 # the last tests of another worker's queue: with the long ones first, a run ends on short tests
 # instead of one worker waiting for a long test that started last, and a long module runs from its
 # start on one worker, so its module fixtures are set up once.
-LONGEST_FIRST = ["eval/test_ray_sweep.py", "test_gemma3_270m.py", "test_smollm2.py", "test_train_shard.py", "test_compile.py",
-                 "test_memory.py", "test_prefix_crash.py", "cache/test_state_machine.py", "cache/test_h2o.py"]
+LONGEST_FIRST = ["eval/test_ray_sweep.py", "checkpoints/test_gemma3_270m.py", "checkpoints/test_smollm2.py",
+                 "train/test_train_shard.py", "generation/test_compiled.py", "runtime/test_memory.py",
+                 "prefix/test_store_crash.py", "cache/test_state_machine.py", "cache/policies/test_h2o.py"]
 
 
 def pytest_collection_modifyitems(config, items):
     root = Path(__file__).parent
+    missing = [name for name in LONGEST_FIRST if not (root / name).is_file()]
+    if missing:  # a module moved or renamed: the order would silently stop applying to it
+        raise pytest.UsageError(f"LONGEST_FIRST names modules that are not there: {', '.join(missing)}")
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
 
     def position(item) -> int:
@@ -321,7 +325,7 @@ FAMILIES = ["llama", "llama_llama3", "llama_linear", "qwen2", "qwen3", "mistral"
 # Families whose layers are not all alike: sliding layers among global ones.
 HYBRID = ["gemma3", "qwen2_window", "qwen3_window"]
 TIED = {"llama_llama3", "qwen2", "gemma3", "qwen3_window", "gemma2"}
-# Families whose attention scores are not a plain softmax (parts/scores.py): soft-capped (Gemma 2),
+# Families whose attention scores are not a plain softmax (model/scores.py): soft-capped (Gemma 2),
 # with learned sink logits (gpt-oss, also a mixture of experts with YaRN); hybrid as well.
 SCORED = ["gemma2", "gpt_oss"]
 
@@ -461,7 +465,7 @@ def tokenizer():
 def tiny_dir(tmp_path_factory):
     import shutil
 
-    from kvcache.checkpoint import BUNDLED_MODEL
+    from kvcache.checkpoints.load import BUNDLED_MODEL
 
     transformers = pytest.importorskip("transformers")
     path = tmp_path_factory.mktemp("eval_tiny") / "model"

@@ -13,7 +13,7 @@ import torch
 from conftest import atol
 
 import kvcache
-from kvcache.cli import _parser
+from kvcache.cli.main import _parser
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -104,7 +104,7 @@ def test_the_exactness_figures_hold():
     """"fp32: logits within X on the tests' tiny models and Y on the bundled model": X is the
     suite's cached-against-plain tolerance, and the bundled model's cached, chunked and batched
     logits (kvcache drift's comparisons) stay within Y."""
-    from kvcache.drift import Setup, kvcache_drift, texts
+    from kvcache.eval.drift import Setup, kvcache_drift, texts
 
     found = re.search(r"fp32: logits within (\S+) on the tests' tiny models and (\S+) on the bundled model", README)
     tiny, bundled = float(found.group(1)), float(found.group(2))
@@ -141,11 +141,11 @@ def test_error_form_is_the_documented_one(capsys):
 
 
 def test_the_thread_rule_is_the_codes():
-    import kvcache.threads
+    import kvcache.runtime.threads
 
     found = re.search(r"Without it a model of up to (\d+)M parameters, such as the bundled one, runs\s+one thread", README)
-    assert int(found.group(1)) * 10**6 == kvcache.threads.SMALL_MODEL
-    assert sum(p.numel() for p in kvcache.load().parameters()) <= kvcache.threads.SMALL_MODEL
+    assert int(found.group(1)) * 10**6 == kvcache.runtime.threads.SMALL_MODEL
+    assert sum(p.numel() for p in kvcache.load().parameters()) <= kvcache.runtime.threads.SMALL_MODEL
 
 
 def test_every_python_block_of_the_readme_runs_as_written(capsys):

@@ -15,9 +15,9 @@ import torch
 from conftest import CACHE_ATOL, DEVICE, HF_ATOL
 
 import kvcache
-from kvcache.checkpoint import BUNDLED_MODEL
+from kvcache.checkpoints.load import BUNDLED_MODEL
 from kvcache.cli import main
-from kvcache.tasks import TaskMaker, read_texts
+from kvcache.eval.tasks import TaskMaker, read_texts
 
 transformers = pytest.importorskip("transformers")
 

@@ -12,18 +12,13 @@ full precision). Small sizes only (the mask is T x T).
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
+from policy_util import build_tiny, ids_for  # noqa: E402
 
 import kvcache
 from kvcache.cache.base import KVCache, LayerCache, Step
-from kvcache.rope import apply_rope, rope_angles
-
-sys.path.insert(0, str(Path(__file__).parent / "cache"))
-from policy_util import build_tiny, ids_for  # noqa: E402
+from kvcache.model.rope import apply_rope, rope_angles
 
 
 def record_held(model, ids: torch.Tensor, policy: str, cache_length: int, sizes: list[int], **options):

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 
 import kvcache
 from kvcache.cache.registry import budget_options
-from kvcache.checkpoint import BUNDLED_MODEL
-from kvcache.tasks import TaskMaker, read_texts
+from kvcache.checkpoints.load import BUNDLED_MODEL
+from kvcache.eval.tasks import TaskMaker, read_texts
 from kvcache.train.loop import FinetuneConfig, describe, finetune
 from kvcache.train.save import read_config, save_checkpoint
 

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 import kvcache
-from kvcache.config import ModelConfig, RopeConfig
-from kvcache.tasks import TaskMaker, read_texts
+from kvcache.model.config import ModelConfig, RopeConfig
+from kvcache.eval.tasks import TaskMaker, read_texts
 
 ARCH = dict(
     vocab_size=8192, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=8,

@@ -27,16 +27,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .. import devices
 from ..errors import CapacityError
-from ..parts.scores import Scores
+from ..model.scores import Scores
+from ..runtime import devices
 from . import snapshot as snapshots
 from .options import NoOptions
 from .positions import MAX_POSITIONS
 from .snapshot import Snapshot, check_tensors, storage_buffers
 
 if TYPE_CHECKING:  # storage.py builds on this module
-    from .storage import Storage
+    from .storages import Storage
 
 
 
@@ -327,7 +327,7 @@ class KVCache:
         # A decode step's constant fields (read only): every token real, each row's token at index 0.
         self._decode_valid = torch.ones(B, 1, dtype=torch.bool, device=device)
         self._decode_last = torch.zeros(B, dtype=torch.long, device=device)
-        # The captured decode step over this cache, made by ``kvcache.compile.captured_decode``
+        # The captured decode step over this cache, made by ``kvcache.generation.compiled.captured_decode``
         # on first use and kept here so that later generations replay it.
         self.captured = None
 

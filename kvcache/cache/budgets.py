@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .. import attention
+from ..kernels import attention
 from .base import CacheSpec, KVCache, Step
 from .policies.dense import DenseCache
 from .policies.snapkv import pool_votes

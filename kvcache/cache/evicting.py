@@ -38,12 +38,12 @@ from abc import abstractmethod
 
 import torch
 
-from .. import attention
+from ..kernels import attention
 from .base import CacheSpec, LayerCache, Step
 from .blocks import keep_whole_blocks
 from .candidates import Candidates
 from .slots import put
-from .storage import in_place, make_storage
+from .storages import in_place, make_storage
 
 # Added to a priority to make a candidate outrank every scored one (sinks, the recent window).
 PROTECTED = 1e30
@@ -397,7 +397,7 @@ class EvictingCache(LayerCache):
 
 def check_context(context: object) -> None:
     """Raise ValueError unless ``context`` is None or a positive number of tokens: the context
-    part of a reconstruction call (kvcache.kvzip's pass; ``record``)."""
+    part of a reconstruction call (kvcache.generation.reconstruction's pass; ``record``)."""
     if context is not None and (isinstance(context, bool) or not isinstance(context, int) or context <= 0):
         raise ValueError(f"context must be a positive number of tokens, got {context!r}")
 

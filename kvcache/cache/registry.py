@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import KVCacheWarning
-from ..memory import check_fits
+from ..runtime.memory import check_fits
 from .base import CacheSpec, KVCache, LayerCache
 from .blocks import check_block
 from .budgets import layer_budgets
@@ -30,7 +30,7 @@ from .options import OptionInfo, build, describe
 from .policies import POLICIES as _POLICIES
 from .policies import discover as _discover
 from .policies import lookup as _lookup
-from .storage import STORAGES, check_storage, parse_storage
+from .storages import STORAGES, check_storage, parse_storage
 
 
 def policy_class(policy: str) -> type[LayerCache]:
@@ -40,7 +40,7 @@ def policy_class(policy: str) -> type[LayerCache]:
 
 
 def reconstructs(policy: str) -> bool:
-    """Whether ``policy`` scores a context by a reconstruction pass (kvcache.kvzip), which only
+    """Whether ``policy`` scores a context by a reconstruction pass (kvcache.generation.reconstruction), which only
     the runs that make that pass can fill its cache by."""
     return getattr(policy_class(policy), "reconstructs", False)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import attention
+from ..kernels import attention
 from ..quant.packed import after
 from .base import Step
 from .candidates import Candidates
@@ -24,12 +24,12 @@ class RingCache(EvictingCache):
     # The ring keeps the newest tokens and is always full: batched eviction has nothing to batch.
     supports_reserve = False
     # Tokens of the current call that are context, the rest a reconstruction attended and then
-    # dropped (kvcache.kvzip's pass, through the rings of a model's sliding layers); None: ordinary.
+    # dropped (kvcache.generation.reconstruction's pass, through the rings of a model's sliding layers); None: ordinary.
     _context: int | None = None
 
     def record(self, context: int | None) -> None:
         """Make the next calls reconstruction calls whose first ``context`` tokens alone are
-        stored (``kvcache.kvzip`` does this around its pass); None makes calls ordinary again."""
+        stored (``kvcache.generation.reconstruction`` does this around its pass); None makes calls ordinary again."""
         check_context(context)
         self._context = context
 

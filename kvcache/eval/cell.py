@@ -17,7 +17,7 @@ that follow (``reserve``), as kvpress's cache grows; ring policies (window, sink
 count and evict as tokens arrive. Dense is the reference: it keeps everything (ratio 0).
 Policies get the options their paper sets at the kept count (``budget_options``).
 A policy that scores the context by reconstructing it (kvzip) compresses the first chunk through
-``kvcache.kvzip``'s pass (the whole chunk in one pass, repeated after KVzip's prompt; one pass
+``kvcache.generation.reconstruction``'s pass (the whole chunk in one pass, repeated after KVzip's prompt; one pass
 for all the ratios of a sample, shared.py), then takes the rest and decodes as every cell does.
 
 Decoding is greedy, as ``generate``'s, and stops early in one case only: under a metric that more
@@ -44,18 +44,18 @@ import torch
 from ..cache.base import KVCache
 from ..cache.registry import budget_options, make_cache, policy_class, reconstructs
 from ..cache.rows import Rows
-from ..checkpoint import WEIGHTS
-from ..generate import decode_loop, greedy
-from ..kvzip import prefill as reconstruct_context
-from ..kvzip import repeat_ids
+from ..checkpoints.load import WEIGHTS
+from ..generation.generate import decode_loop, greedy
+from ..generation.reconstruction import prefill as reconstruct_context
+from ..generation.reconstruction import repeat_ids
 from . import dataset as ds
 from . import ruler
+from .metrics import score
 from .sample import Encoded, Sample, chat_parts, encode
-from .scoring import score
 from .shared import SharedPrefill
 
 PROTOCOLS = ("query_agnostic", "query_aware")
-# (passkey: the grid of kvcache/evaluate.py, whose cells eval/passkey.py runs.)
+# (passkey: the grid of kvcache/eval/quality.py, whose cells eval/passkey.py runs.)
 BENCHMARKS = ("ruler", "dataset", "passkey")
 
 

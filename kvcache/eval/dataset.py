@@ -17,9 +17,9 @@ import hashlib
 import json
 from pathlib import Path
 
+from .metrics import SCORERS
 from .ruler import QA_TASKS, QARecord
 from .sample import Sample
-from .scoring import SCORERS
 
 DEFAULT_TASK = "dataset"
 DEFAULT_MAX_NEW_TOKENS = 32

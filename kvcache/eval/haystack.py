@@ -14,7 +14,7 @@ import re
 from functools import cache, lru_cache
 from pathlib import Path
 
-from ..tasks import DEFAULT_TEXTS
+from .tasks import DEFAULT_TEXTS
 
 NOISE = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.")
 WORDS_DIR = Path(__file__).resolve().parent.parent / "data" / "words"

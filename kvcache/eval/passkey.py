@@ -1,4 +1,4 @@
-"""The passkey grid (kvcache/evaluate.py) as a sweep's cells: ``kvcache eval`` (the default
+"""The passkey grid (kvcache/eval/quality.py) as a sweep's cells: ``kvcache eval`` (the default
 benchmark) writes each unit of the grid to ``OUT/cells/`` as it finishes, so a rerun resumes, and
 runs them serially (sweep.py) or on Ray actors (ray_sweep.py, ``--ray``) with the same results.
 
@@ -14,10 +14,10 @@ import json
 import time
 from dataclasses import asdict, dataclass
 
-from ..evaluate import PROTOCOLS, Grid, Unit, report, run_unit, units
-from ..tasks import read_texts
 from .cell import Bench
+from .quality import PROTOCOLS, Grid, Unit, report, run_unit, units
 from .sample import chat_parts
+from .tasks import read_texts
 
 
 @dataclass(frozen=True)

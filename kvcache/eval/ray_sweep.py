@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..checkpoint import load, load_tokenizer
+from ..checkpoints.load import load, load_tokenizer
 from . import sweep
 from .cell import Bench, Cell, run_cell
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..tasks import start_ids
-from .scoring import SCORERS
+from .metrics import SCORERS
+from .tasks import start_ids
 
 
 @dataclass(frozen=True)

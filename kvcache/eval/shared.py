@@ -25,8 +25,8 @@ prefill; ``tests/eval/test_shared.py`` checks that both replays leave the cache 
 own prefill does.
 
 A policy that scores a context by reconstructing it (kvzip) shares otherwise: its scores do
-not depend on its budget, so one reconstruction pass a sample (``kvcache.kvzip.score``, into a
-cache that keeps every token) fills the caches of all its ratios (``kvcache.kvzip.take``: what
+not depend on its budget, so one reconstruction pass a sample (``kvcache.generation.reconstruction.score``, into a
+cache that keeps every token) fills the caches of all its ratios (``kvcache.generation.reconstruction.take``: what
 each one's own pass would keep, bit for bit).
 """
 
@@ -38,9 +38,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import kvzip
 from ..cache.base import KVCache, LayerCache, Step
 from ..cache.registry import make_cache
+from ..generation import reconstruction as kvzip
 
 
 @dataclass(frozen=True)
@@ -167,7 +167,7 @@ class SharedPrefill:
                       repeat: list[int]) -> tuple[KVCache, torch.Tensor]:
         """(cache, logits): the fresh cache of a policy that reconstructs (kvzip) at any budget,
         filled as its own pass over ``ids`` would fill it, from one pass per chunk and
-        ``policy`` (``kvcache.kvzip.score``, then ``take``: the scores do not depend on the
+        ``policy`` (``kvcache.generation.reconstruction.score``, then ``take``: the scores do not depend on the
         budget); logits (1, vocab) of the chunk's last token. A quantized storage's cache makes
         its own pass."""
         if cache.layers[0].storage.packed:

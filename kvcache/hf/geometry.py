@@ -2,7 +2,7 @@
 
 A kvcache cache is sized by the model's layer count, K/V heads, head size, dtype and device, holds
 each layer's own sliding window (``config.layer_types``: Gemma 3, Gemma 2, gpt-oss, sliding-window
-Qwen) and scores rule (Gemma 2's soft cap, gpt-oss's learned sink logits: ``parts.scores``), and
+Qwen) and scores rule (Gemma 2's soft cap, gpt-oss's learned sink logits: ``model.scores``), and
 gives policies that renumber positions or undo the rotation of queries (sink with
 ``positions="renumbered"``, expected_attention) each layer's rotary frequencies. This module reads
 all of that from a ``PreTrainedModel`` and refuses, with ``UnsupportedModelError`` naming the
@@ -18,9 +18,9 @@ from types import SimpleNamespace
 
 import torch
 
-from ..config import LayerGeometry, RopeConfig
-from ..parts.scores import Scores
-from ..rope import apply_rope, rope_angles
+from ..model.config import LayerGeometry, RopeConfig
+from ..model.rope import apply_rope, rope_angles
+from ..model.scores import Scores
 
 # Layer kinds (``config.layer_types``) whose attention kvcache computes: full causal attention,
 # and a sliding window over it.
@@ -41,7 +41,7 @@ class Geometry:
     num_kv_heads, head_dim: the shape of each layer's keys and values, (B, num_kv_heads, T, head_dim).
     windows:      each layer's sliding window, None for global attention.
     inv_freqs:    each layer's (head_dim // 2,) float32 rotary frequencies in the half-split layout
-                  kvcache rotates with (``kvcache.rope``), or None with ``rope_note`` saying why.
+                  kvcache rotates with (``kvcache.model.rope``), or None with ``rope_note`` saying why.
     scores:       each layer's scores rule (soft cap, the module's own sink-logit parameter), or
                   None for plain softmax attention.
     dtype, device: those of the input embeddings, where the cache's buffers are allocated.

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import devices
 from ..quant.packed import CHANNEL, RESIDUAL, TOKEN, PackedKeys, PackedValues, as_float
+from ..runtime import devices
 from .visibility import visibility
 
 # Slots converted from codes at a time: as many as make BLOCK_BYTES of float32 over the rows and

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import devices
+from ..runtime import devices
 from .codes import unpack
 
 # Key layouts, per slot (``PackedKeys.mode``).

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import torch
 
-from .. import attention, devices
 from ..cache.base import LayerCache, Step
 from ..cache.evicting import EvictingCache
 from ..cache.headwise import HeadwiseCache
+from ..kernels import attention
 from ..kernels.sdpa import sdpa
+from ..runtime import devices
 
 
 def sink_biased(q, q_sink, k, v, q_pos, k_pos, rule: dict) -> torch.Tensor:

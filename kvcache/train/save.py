@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .. import gguf
-from ..convert import hf_config, write_tokenizer
+from ..checkpoints import gguf
+from ..checkpoints.convert import hf_config, write_tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "generation_config.json")

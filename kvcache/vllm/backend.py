@@ -29,7 +29,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, FullAttentionSpec, SlidingWindowSpec
 
-from ..parts.scores import Scores
+from ..model.scores import Scores
 from .config import ROTARY, ConfigError, PluginConfig, parse
 from .rule import request_rule
 from .scoring import Work, after_step, needed, parts
@@ -106,8 +106,8 @@ def configured(vllm_config) -> PluginConfig | None:
 def rotary_frequencies(vllm_config) -> torch.Tensor | None:
     """The model's rotary frequencies as kvcache's own model computes them from its config.json,
     or None for a model kvcache does not load (then expected_attention is refused)."""
-    from ..config import ModelConfig
-    from ..rope import inverse_frequencies
+    from ..model.config import ModelConfig
+    from ..model.rope import inverse_frequencies
 
     try:
         cfg = ModelConfig.from_hf(vllm_config.model_config.hf_config.to_dict())

@@ -28,10 +28,10 @@ import dataclasses
 
 import torch
 
-from .. import attention
 from ..cache.base import Step
 from ..cache.blocks import EMPTY, keep_whole_blocks
 from ..cache.candidates import Candidates
+from ..kernels import attention
 from .layout import read
 from .rule import BlockRule
 from .state import ENGINE, Row

@@ -151,7 +151,7 @@ def test_block_options_are_checked(llama):
 
 
 def test_a_captured_decode_step_refuses_blocks(llama):
-    from kvcache.compile import check_capturable
+    from kvcache.generation.compiled import check_capturable
 
     with pytest.raises(ValueError, match="this cache keeps whole blocks \\(block=4\\). Use compile=False, or block=1"):
         check_capturable(kvcache.make_cache(llama, "h2o", cache_length=16, block=4))

@@ -402,7 +402,7 @@ def test_listening_to_few_queries_scores_them_alone(llama, policy, options):
     """TOVA and SnapKV weigh only a few queries of a chunk: those are scored in a call of their
     own and every output comes from the fused kernel. Outputs and scores equal the single
     explicit-softmax call over the whole chunk."""
-    from kvcache import attention
+    from kvcache.kernels import attention
 
     cache = kvcache.make_cache(llama, policy, cache_length=8, batch_size=2, **options)
     layer = cache.layers[0]

@@ -14,7 +14,7 @@ from kvcache.cache import positions
 from kvcache.cache.base import CacheSpec
 from kvcache.cache.positions import MAX_POSITIONS, position_dtype
 from kvcache.cache.snapshot import Snapshot
-from kvcache.cache.storage import make_storage
+from kvcache.cache.storages import make_storage
 from kvcache.errors import CapacityError
 
 C = 12

@@ -14,7 +14,7 @@ from conftest import DEVICE
 from policy_util import EXACT_ATOL, feed, ids_for, kept, max_diff
 
 import kvcache
-from kvcache import attention
+from kvcache.kernels import attention
 
 ATOL = EXACT_ATOL[torch.float32]
 VOCAB = 128  # the conftest llama

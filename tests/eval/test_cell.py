@@ -1,14 +1,14 @@
 """A cell of a policy that compresses by reconstruction (kvzip): the context is compressed by
-kvcache.kvzip's pass to kvpress's kept count, and a ratio of 0 is the dense cell."""
+kvcache.generation.reconstruction's pass to kvpress's kept count, and a ratio of 0 is the dense cell."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvcache import kvzip
 from kvcache.eval.cell import Bench, Cell, make_cell_cache, run_cell
 from kvcache.eval.sample import encode
+from kvcache.generation import reconstruction as kvzip
 
 BENCH = Bench.make("ruler")
 

@@ -92,7 +92,7 @@ def test_markdown_shows_errors_and_the_paired_table():
 
 def test_plot_draws_the_errors(tmp_path):
     pytest.importorskip("matplotlib")
-    from kvcache import plots
+    from kvcache.eval import plots
 
     data = leaderboard.table(RESULTS)
     names = plots.sweep_plots(data, ["a", "b"], {"model": "m"}, tmp_path, leaderboard.errors(RESULTS))

@@ -10,8 +10,8 @@ import pytest
 
 from kvcache.eval import passkey, sweep
 from kvcache.eval.cell import Bench, run_cell
-from kvcache.evaluate import Grid, evaluate, units
-from kvcache.tasks import read_texts
+from kvcache.eval.quality import Grid, evaluate, units
+from kvcache.eval.tasks import read_texts
 
 BENCH = Bench.make("passkey")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcache.eval.scoring import score
+from kvcache.eval.metrics import score
 
 
 def test_string_match_all_is_the_share_of_references_found():

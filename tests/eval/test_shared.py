@@ -13,8 +13,8 @@ from conftest import DEVICE
 
 from kvcache.eval import ruler
 from kvcache.eval.cell import Bench, Cell, answer, answers, make_cell_cache, run_cell, run_cells, saturated
+from kvcache.eval.metrics import score
 from kvcache.eval.sample import Sample, encode
-from kvcache.eval.scoring import score
 from kvcache.eval.shared import SharedPrefill, record, replay
 
 BENCH = Bench.make("ruler")

@@ -11,10 +11,9 @@ import torch
 from conftest import DEVICE
 
 import kvcache
-from kvcache import attention
 from kvcache.cache import CacheSpec
-from kvcache.cache.storage import make_storage
-from kvcache.kernels import CHANNEL, RESIDUAL, TOKEN, PackedKeys, PackedValues, blocked
+from kvcache.cache.storages import make_storage
+from kvcache.kernels import CHANNEL, RESIDUAL, TOKEN, PackedKeys, PackedValues, attention, blocked
 
 CPU = DEVICE  # the test device (the name predates it)
 ATOL = 2e-5  # float32: scales folded into queries and weights instead of applied to the codes

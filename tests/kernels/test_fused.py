@@ -10,10 +10,9 @@ import torch
 from conftest import CACHE_ATOL, DEVICE, max_diff, random_ids
 
 import kvcache
-from kvcache import attention
 from kvcache.cache import CacheSpec
-from kvcache.cache.storage import make_storage
-from kvcache.kernels import PackedKeys, attend_decoded, fused
+from kvcache.cache.storages import make_storage
+from kvcache.kernels import PackedKeys, attend_decoded, attention, fused
 
 CPU_ONLY_FOLD = DEVICE.type != "cpu"  # off the CPU the span is one block: nothing is folded
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from ... import attention, kernels
+from ... import kernels
+from ...kernels import attention
 from ..base import CacheSpec, LayerCache, Step, capacity_error
-from ..storage import make_storage
+from ..storages import make_storage
 
 
 class DenseCache(LayerCache):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...rope import apply_rope, rope_angles
+from ...model.rope import apply_rope, rope_angles
 from ..base import CacheSpec, Step
 from ..candidates import Candidates
 from ..evicting import PROTECTED, EvictingCache, require_room

@@ -8,7 +8,7 @@ K/V head then keeps its best-scored keys (the per-head budget; the paper also sp
 unevenly over heads and layers, which this policy does not).
 
 The scores need a second pass through the whole model, which a layer cache cannot make on its
-own: ``kvcache.kvzip.prefill`` (and ``kvcache eval``) feed each context chunk followed by its
+own: ``kvcache.generation.reconstruction.prefill`` (and ``kvcache eval``) feed each context chunk followed by its
 reconstruction as one call, with every layer told how many of the call's tokens are context
 (``record``). In that call a layer attends the context causally, as any prefill would; the
 reconstruction tokens attend the held slots, the context and each other, are scored, and are
@@ -20,7 +20,7 @@ Tokens that arrive otherwise (a question, decoded tokens, or a prompt fed by pla
 have no score. When the cache must evict and such tokens are present, the oldest of them goes
 first (the newest token always stays): the compressed context is kept and a window slides over
 what followed it. A prompt fed by plain ``generate`` is therefore kept as a window (plus
-``sinks``); use ``kvcache.kvzip`` to compress by reconstruction.
+``sinks``); use ``kvcache.generation.reconstruction`` to compress by reconstruction.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ... import attention
 from ...errors import KVCacheWarning
+from ...kernels import attention
 from ...kernels.visibility import visibility
 from ..base import CacheSpec, Step
 from ..candidates import Candidates
@@ -57,12 +57,12 @@ class KVzipOptions:
 class KVzipCache(EvictingCache):
     name = "kvzip"
     description = ("KVzip: keep the keys most attended while the model reconstructs the context "
-                   "(query-agnostic; needs kvcache.kvzip's pass), per K/V head")
+                   "(query-agnostic; needs kvcache.generation.reconstruction's pass), per K/V head")
     Options = KVzipOptions
     per_head = True
     # score: the best reconstruction weight a token received; scored: 1 once a pass has scored it.
     stat_names = ("score", "scored")
-    # Its scores come from kvcache.kvzip's reconstruction pass, which ``kvcache eval`` runs.
+    # Its scores come from kvcache.generation.reconstruction's reconstruction pass, which ``kvcache eval`` runs.
     reconstructs = True
 
     @classmethod
@@ -77,7 +77,7 @@ class KVzipCache(EvictingCache):
 
     def record(self, context: int | None) -> None:
         """Make the next calls reconstruction calls whose first ``context`` tokens are context
-        (``kvcache.kvzip`` does this around its pass); None makes calls ordinary again."""
+        (``kvcache.generation.reconstruction`` does this around its pass); None makes calls ordinary again."""
         check_context(context)
         self._context = context
 
@@ -96,7 +96,7 @@ class KVzipCache(EvictingCache):
                 warnings.warn(
                     "a prompt chunk overflowed a kvzip cache outside its reconstruction pass, so it has no "
                     "scores: its oldest tokens are evicted first, as a window would. Compress a context with "
-                    "kvcache.kvzip.prefill or kvcache.kvzip.generate (or kvcache eval) instead.",
+                    "kvcache.generation.reconstruction's prefill or generate (or kvcache eval) instead.",
                     KVCacheWarning, stacklevel=2)
             return super().attend(q, k, v, step)
         return self._reconstruct(q, k, v, step, self._context)
@@ -112,7 +112,7 @@ class KVzipCache(EvictingCache):
 
     def keep_best(self, source: KVzipCache, step: Step) -> None:
         """Fill this empty layer from ``source``, the same layer of a cache that a reconstruction
-        pass scored while keeping every token (``kvcache.kvzip.score``): its tokens are the
+        pass scored while keeping every token (``kvcache.generation.reconstruction.score``): its tokens are the
         candidates, ranked under this layer's budget and options, so the layer keeps what its
         own pass over the same context would. ``step``: the context as one chunk into this
         layer's (reset) cache. Full-precision storages only."""
@@ -123,7 +123,7 @@ class KVzipCache(EvictingCache):
         n = step.num_tokens
         if not bool((source.held == n).all()):
             raise ValueError(f"the source layer holds {source.held.tolist()} tokens, not the context's {n}: "
-                             "it must be scored by a pass that kept every token (kvcache.kvzip.score)")
+                             "it must be scored by a pass that kept every token (kvcache.generation.reconstruction.score)")
         ks, vs, pos = source.storage.view(n)
         stats = {name: s[:, :, :n].clone() for name, s in source.stats.items()}
         # No queries: kvzip ranks by the scores the pass stored (``priority``), never by a call's queries.

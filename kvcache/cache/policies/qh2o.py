@@ -23,7 +23,7 @@ from ..base import CacheSpec, Step
 from ..candidates import Candidates
 from ..evicting import PROTECTED
 from ..options import option
-from ..storage import parse_storage
+from ..storages import parse_storage
 from .h2o import H2OCache, H2OOptions
 
 SCALES = ("minmax", "rank")

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...rope import apply_rope, rope_angles
+from ...model.rope import apply_rope, rope_angles
 from ..base import CacheSpec, Step
 from ..evicting import require_room
 from ..options import option

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import torch
 
-from ... import devices
 from ...kernels import fused
 from ...quant.codes import KEY_TOKEN_SCALE, VALUE_GROUPS, encode_tokens, key_clip, pack, quantize, quantize_scaled, unpack
 from ...quant.packed import CHANNEL, RESIDUAL, TOKEN, PackedKeys, PackedValues, after
+from ...runtime import devices
 from ..base import CacheSpec
 from ..slots import put
 from .token import TokenStorage, _encode_pair, _stackable

@@ -1,0 +1,2 @@
+"""The prefix store: cached prompt prefixes kept by bytes and saved to a directory (store.py,
+docs/prefix.md)."""
