@@ -16,6 +16,8 @@ with the final max and sum.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..quant.packed import CHANNEL, RESIDUAL, TOKEN, PackedKeys, PackedValues, as_float
@@ -183,15 +185,9 @@ def attend(
         return (torch.zeros_like(q), q.new_zeros(B, H, 0, dtype=torch.float32),
                 q.new_zeros(B, k_pos.shape[1], 0, dtype=torch.float32))
     G = Hq // H
-    spans = _blocks(k)
-    present = _presence(k, spans)
-    # Host-side bounds of each block's positions, to skip blocks no query of a query block can
-    # see (the future half of a causal prefill): one device sync per call.
-    kp = k_pos.long().masked_fill(k_pos < 0, torch.iinfo(torch.long).max)  # (stored positions may be narrower)
-    lows = torch.stack([kp[..., s0:s1].amin() for s0, s1 in spans]).tolist()
-    has_sink = [lo < sinks for lo in lows] if q_sink is not None else [False] * len(spans)
+    blocks = _SlotBlocks(q, k, k_pos, window=window, sinks=sinks, limit=limit, all_visible=all_visible,
+                         sink_queries=q_sink is not None)
     scale = D**-0.5
-    work = _work(q, k, spans)
     out = torch.empty_like(q)
     mass = seen = None
     if q_weight is not None:
@@ -202,37 +198,82 @@ def attend(
         n = t1 - t0
         qb = _fold(q[:, :, t0:t1].float() * scale, H)  # (B, H, G * n, D)
         qs = None if q_sink is None else _fold(q_sink[:, :, t0:t1].float() * scale, H)
-        pos_rows = q_pos[:, t0:t1].repeat(1, G)  # (B, G * n)
-        newest = int(q_pos[:, t0:t1].max())
-        live = [i for i, lo in enumerate(lows) if lo <= newest]
+        queries = _Queries(qb, qs, q_pos[:, t0:t1], q_pos[:, t0:t1].repeat(1, G), G)
+        live = blocks.live(int(q_pos[:, t0:t1].max()))
         state = _Softmax(B, H, G * n, D, q.device)
-
-        def block_scores(i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-            s0, s1 = spans[i]
-            sc = _scores(k, qb, pos_rows, s0, s1, work, present[i])
-            if has_sink[i]:
-                sink_cols = (k_pos[..., s0:s1] < sinks).unsqueeze(2)  # (B, Hp, 1, m)
-                sc = torch.where(sink_cols, _scores(k, qs, pos_rows, s0, s1, work, present[i]), sc)
-            if all_visible:
-                return sc, None
-            vis = visibility(q_pos[:, t0:t1], k_pos[..., s0:s1], window, sinks, limit)  # (B, Hp, n, m)
-            return sc.masked_fill(~_rows(vis, G), float("-inf")), vis
-
         for i in live:
-            sc, _ = block_scores(i)
-            state.add(sc, v, *spans[i], pos_rows, work, present[i])
+            sc, _ = blocks.scores(i, queries)
+            state.add(sc, v, *blocks.spans[i], queries.pos_rows, blocks.work, blocks.present[i])
         out[:, :, t0:t1] = state.out().view(B, Hq, n, D).to(q.dtype)
-        if q_weight is None:
-            continue
-        w = q_weight[:, t0:t1].float()
-        w_rows = w.repeat(1, G)[:, None, None, :]  # (B, 1, 1, G * n)
-        for i in live:
-            s0, s1 = spans[i]
-            sc, vis = block_scores(i)
-            mass[..., s0:s1] += (w_rows @ state.weights(sc)).squeeze(2)
-            vis_f = torch.ones(B, 1, n, s1 - s0, device=q.device) if vis is None else vis.float()
-            seen[..., s0:s1] += (w[:, None, None, :] @ vis_f).squeeze(2)
+        if q_weight is not None:
+            blocks.add_totals(mass, seen, state, queries, live, q_weight[:, t0:t1].float())
     return out, mass, seen
+
+
+@dataclass
+class _Queries:
+    """One block of n queries of an ``attend`` call, the G query heads of a group folded into the
+    rows: qb (B, H, G * n, D) float32, scaled; qs the same of ``q_sink`` (or None); q_pos (B, n)
+    their positions, pos_rows (B, G * n) those of the rows."""
+
+    qb: torch.Tensor
+    qs: torch.Tensor | None
+    q_pos: torch.Tensor
+    pos_rows: torch.Tensor
+    G: int
+
+
+class _SlotBlocks:
+    """The packed slots of an ``attend`` call in blocks (``_blocks``), as its query blocks read
+    them: each block's lowest position (to skip the blocks a query block cannot see), and each
+    block's scores, masked by visibility as ``visibility.visibility`` takes it.
+
+    q: (B, Hq, T, D), the call's queries (the conversion buffer follows them); k: the packed keys
+    at k_pos (B, Hp, S); ``sink_queries``: whether sink slots are scored by ``q_sink``."""
+
+    def __init__(self, q: torch.Tensor, k: PackedKeys, k_pos: torch.Tensor, *, window: int | None,
+                 sinks: int, limit: int | None, all_visible: bool, sink_queries: bool) -> None:
+        self.k, self.k_pos = k, k_pos
+        self.window, self.sinks, self.limit, self.all_visible = window, sinks, limit, all_visible
+        self.spans = _blocks(k)
+        self.present = _presence(k, self.spans)
+        # Host-side bounds of each block's positions, to skip blocks no query of a query block can
+        # see (the future half of a causal prefill): one device sync per call.
+        kp = k_pos.long().masked_fill(k_pos < 0, torch.iinfo(torch.long).max)  # (stored positions may be narrower)
+        self.lows = torch.stack([kp[..., s0:s1].amin() for s0, s1 in self.spans]).tolist()
+        self.has_sink = [lo < sinks for lo in self.lows] if sink_queries else [False] * len(self.spans)
+        self.work = _work(q, k, self.spans)
+
+    def live(self, newest: int) -> list[int]:
+        """The blocks holding a position at or before ``newest``, a query block's newest."""
+        return [i for i, lo in enumerate(self.lows) if lo <= newest]
+
+    def scores(self, i: int, queries: _Queries) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The queries' scores (B, H, G * n, m) against block ``i`` of m slots, -inf where a query
+        does not see a slot, and that visibility (B, Hp, n, m) (None with ``all_visible``)."""
+        s0, s1 = self.spans[i]
+        k, k_pos, sinks = self.k, self.k_pos, self.sinks
+        sc = _scores(k, queries.qb, queries.pos_rows, s0, s1, self.work, self.present[i])
+        if self.has_sink[i]:
+            sink_cols = (k_pos[..., s0:s1] < sinks).unsqueeze(2)  # (B, Hp, 1, m)
+            sc = torch.where(sink_cols, _scores(k, queries.qs, queries.pos_rows, s0, s1, self.work, self.present[i]), sc)
+        if self.all_visible:
+            return sc, None
+        vis = visibility(queries.q_pos, k_pos[..., s0:s1], self.window, sinks, self.limit)  # (B, Hp, n, m)
+        return sc.masked_fill(~_rows(vis, queries.G), float("-inf")), vis
+
+    def add_totals(self, mass: torch.Tensor, seen: torch.Tensor, state: _Softmax, queries: _Queries,
+                   live: list[int], w: torch.Tensor) -> None:
+        """Add to ``mass`` (B, Hkv, S) and ``seen`` (B, Hp, S) what the queries weighted by ``w``
+        (B, n) float32 gave the ``live`` blocks: the blocks scored again, under the final state."""
+        B, n = w.shape
+        w_rows = w.repeat(1, queries.G)[:, None, None, :]  # (B, 1, 1, G * n)
+        for i in live:
+            s0, s1 = self.spans[i]
+            sc, vis = self.scores(i, queries)
+            mass[..., s0:s1] += (w_rows @ state.weights(sc)).squeeze(2)
+            vis_f = torch.ones(B, 1, n, s1 - s0, device=mass.device) if vis is None else vis.float()
+            seen[..., s0:s1] += (w[:, None, None, :] @ vis_f).squeeze(2)
 
 
 def decode(

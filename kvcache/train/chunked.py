@@ -97,27 +97,51 @@ def chunked_loss(
     step = ChunkStep(base_model(model)) if sharded is None else sharded[1]
     call = step if sharded is None else sharded[0]
     model = step.transformer
-    if ids.dim() != 2 or ids.dtype not in (torch.long, torch.int32):
-        raise ValueError(f"ids must be a (batch, tokens) integer tensor, got shape {tuple(ids.shape)} and dtype {ids.dtype}")
-    B, T = ids.shape
-    if T < 2:
-        raise ValueError(f"ids needs at least 2 tokens per row (one to predict from, one to predict), got {T}")
+    _check_ids(ids)
     targets, target_weights = _targets(ids, labels, weights, ignore_index)
     denom = target_weights.sum()
     world = 1
     if sharded is not None and torch.distributed.is_initialized():
         world = torch.distributed.get_world_size()
         torch.distributed.all_reduce(denom)  # the global batch's total weight
-        # Every rank must make as many model calls (FSDP2 gathers each block's weights in each):
-        # shorter rows are padded to the longest rank's, which changes nothing they compute.
-        longest = torch.tensor(T, device=ids.device)
-        torch.distributed.all_reduce(longest, op=torch.distributed.ReduceOp.MAX)
-        ids, targets, target_weights = _extend(ids, targets, target_weights, int(longest), ignore_index)
-        T = ids.shape[1]
+        ids, targets, target_weights = _pad_to_longest_rank(ids, targets, target_weights, ignore_index)
+    B, T = ids.shape
     sizes = chunk_sizes(chunk, T)
     if float(denom) <= 0:
         raise ValueError("no token to predict: every label is ignore_index (or every weight is 0)")
-    length = T if cache_length is None else cache_length
+    cache = _replayable_cache(model, policy, T if cache_length is None else cache_length, B, T, options)
+    store_device = torch.device("cpu") if offload_kv else ids.device
+    plan = _Plan(call, cache, ids, targets, target_weights, denom, sizes, ignore_index, store_device)
+    if sharded is not None:
+        plan.world = world
+        return _sharded_loss(plan)
+    return _loss(plan, model)
+
+
+def _check_ids(ids: torch.Tensor) -> None:
+    """Raise ValueError unless ``ids`` is a (B, T) integer tensor with T >= 2."""
+    if ids.dim() != 2 or ids.dtype not in (torch.long, torch.int32):
+        raise ValueError(f"ids must be a (batch, tokens) integer tensor, got shape {tuple(ids.shape)} and dtype {ids.dtype}")
+    if ids.shape[1] < 2:
+        raise ValueError(f"ids needs at least 2 tokens per row (one to predict from, one to predict), got {ids.shape[1]}")
+
+
+def _pad_to_longest_rank(ids, targets, target_weights, ignore_index: int) -> tuple[torch.Tensor, ...]:
+    """ids, targets and target weights (B, T) right-padded to the longest T of any rank.
+
+    Every rank must make as many model calls (FSDP2 gathers each block's weights in each):
+    shorter rows are padded to the longest rank's, which changes nothing they compute."""
+    longest = torch.tensor(ids.shape[1], device=ids.device)
+    torch.distributed.all_reduce(longest, op=torch.distributed.ReduceOp.MAX)
+    return _extend(ids, targets, target_weights, int(longest), ignore_index)
+
+
+def _replayable_cache(model: torch.nn.Module, policy: str, length: int | float, B: int, T: int,
+                      options: dict) -> KVCache:
+    """The cache the chunks of a (B, T) batch run through: ``policy``'s with ``cache_length=length``
+    and ``options``, or the same policy with ``full`` storage (and a warning) where its storage
+    quantizes a token depending on where it is placed, so its keys cannot be replayed as stored.
+    Raises CapacityError where a cache that does not evict cannot hold the T tokens."""
     cache = make_cache(model, policy, cache_length=length, batch_size=B, prompt_length=T, **options)
     for layer in cache.layers:
         check_supported(layer)
@@ -128,7 +152,7 @@ def chunked_loss(
             "differently depending on where it is placed, so a chunk's keys cannot be replayed as stored; "
             "per-token storages (token8, token4, token2) are replayed exactly, straight-through",
             KVCacheWarning,
-            stacklevel=2,
+            stacklevel=3,  # chunked_loss's caller
         )
         cache = make_cache(model, full, cache_length=length, batch_size=B, prompt_length=T, **options)
     if cache.max_tokens is not None and cache.max_tokens < T:
@@ -136,22 +160,29 @@ def chunked_loss(
             f"a {policy!r} cache of cache_length={cache.max_tokens} cannot hold a sequence of {T} tokens: "
             "give the dense cache the whole sequence (cache_length=None) or choose an evicting policy"
         )
-    store_device = torch.device("cpu") if offload_kv else ids.device
-    plan = _Plan(call, cache, ids, targets, target_weights, denom, sizes, ignore_index, store_device)
-    if sharded is not None:
-        # Gradients go to .grad through the wrapper's own hooks (DDP's all-reduce, FSDP2's
-        # reduce-scatter), so the loss hangs on an anchor instead of the parameters.
-        anchor = torch.zeros((), device=ids.device, requires_grad=torch.is_grad_enabled())
-        plan.world = world
-        if not anchor.requires_grad:
-            with torch.no_grad():
-                return plan.record()
-        return _ShardedChunkedLoss.apply(plan, anchor)
+    return cache
+
+
+def _loss(plan: _Plan, model: torch.nn.Module) -> torch.Tensor:
+    """The loss of a single-process call: one autograd node over the parameters that require
+    grad, or the recording pass alone where no gradient is wanted."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not (torch.is_grad_enabled() and params):
         with torch.no_grad():
             return plan.record()
     return _ChunkedLoss.apply(plan, *params)
+
+
+def _sharded_loss(plan: _Plan) -> torch.Tensor:
+    """The loss of a data-parallel call: one autograd node over an anchor, or the recording pass
+    alone where no gradient is wanted."""
+    # Gradients go to .grad through the wrapper's own hooks (DDP's all-reduce, FSDP2's
+    # reduce-scatter), so the loss hangs on an anchor instead of the parameters.
+    anchor = torch.zeros((), device=plan.ids.device, requires_grad=torch.is_grad_enabled())
+    if not anchor.requires_grad:
+        with torch.no_grad():
+            return plan.record()
+    return _ShardedChunkedLoss.apply(plan, anchor)
 
 
 def pad_rows(rows: Sequence[torch.Tensor], labels: Sequence[torch.Tensor] | None,

@@ -131,28 +131,9 @@ def finetune(
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("no parameter of the model requires grad: nothing to train")
-    device = params[0].device
     optimizer = _optimizer(params, config)
     next_batch = batches if batches is not None else _shuffled_batches(rows, weights, config)
-
-    def accumulate(step: int) -> tuple[float, int]:
-        """One optimizer step's micro-batches, backward through each: (mean loss, tokens read)."""
-        total, read = 0.0, 0
-        for micro in range(config.grad_accum):
-            ids, w = next_batch(step * config.grad_accum + micro)
-            read += sum(len(r) for r in ids) if ragged else ids.numel()
-            if config.shard is not None:
-                ids, w = rank_rows(ids, rank, world), None if w is None else rank_rows(w, rank, world)
-            ids = [r.to(device) for r in ids] if ragged else ids.to(device)
-            if w is not None:
-                w = [r.to(device) for r in w] if ragged else w.to(device)
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                loss = chunked_loss(model, ids, weights=w, policy=config.policy, cache_length=config.cache_length,
-                                    chunk=config.chunk, offload_kv=config.offload_kv, **config.policy_options)
-            (loss / config.grad_accum).backward()
-            total += loss.item() / config.grad_accum
-        return total, read
-
+    run = _Run(model, config, next_batch, ragged, params[0].device, rank, world)
     records, sink = [], None if log is None else open(log, "a")
     model.train()
     bar = tqdm(total=config.steps, disable=not progress, unit="step", dynamic_ncols=True)
@@ -162,7 +143,7 @@ def finetune(
             lr = lr_at(step, config)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            total, read = accumulate(step)
+            total, read = _accumulate(run, step)
             tokens += read
             norm = grad_norm(params, config.clip)
             optimizer.step()
@@ -186,6 +167,53 @@ def finetune(
             sink.close()
     model.eval()
     return records
+
+
+@dataclass
+class _Run:
+    """What every optimizer step of one ``finetune`` call reads.
+
+    model:      the model as trained (sharded in place under ``config.shard``).
+    next_batch: micro-batch index -> (ids (B, T), weights (B, T) or None), a list of rows each
+                when ``ragged``; B is the global micro-batch, of which this rank trains its share.
+    device:     where the trainable parameters live, and so the rows go.
+    rank, world: this process's rank and the number of ranks (0 and 1 without ``config.shard``).
+    """
+
+    model: torch.nn.Module
+    config: FinetuneConfig
+    next_batch: Callable[[int], tuple[torch.Tensor, torch.Tensor | None]]
+    ragged: bool
+    device: torch.device
+    rank: int
+    world: int
+
+
+def _accumulate(run: _Run, step: int) -> tuple[float, int]:
+    """One optimizer step's micro-batches, backward through each: (mean loss, tokens read)."""
+    config = run.config
+    total, read = 0.0, 0
+    for micro in range(config.grad_accum):
+        ids, w = run.next_batch(step * config.grad_accum + micro)
+        read += sum(len(r) for r in ids) if run.ragged else ids.numel()
+        ids, w = _own_share(run, ids, w)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=run.device.type == "cuda"):
+            loss = chunked_loss(run.model, ids, weights=w, policy=config.policy, cache_length=config.cache_length,
+                                chunk=config.chunk, offload_kv=config.offload_kv, **config.policy_options)
+        (loss / config.grad_accum).backward()
+        total += loss.item() / config.grad_accum
+    return total, read
+
+
+def _own_share(run: _Run, ids: torch.Tensor | list[torch.Tensor], w: torch.Tensor | list[torch.Tensor] | None):
+    """This rank's rows of a global micro-batch (all of them without sharding) and their weights,
+    on the model's device: ids (b, T) and weights (b, T) or None, lists of b rows when ragged."""
+    if run.config.shard is not None:
+        ids, w = rank_rows(ids, run.rank, run.world), None if w is None else rank_rows(w, run.rank, run.world)
+    ids = [r.to(run.device) for r in ids] if run.ragged else ids.to(run.device)
+    if w is not None:
+        w = [r.to(run.device) for r in w] if run.ragged else w.to(run.device)
+    return ids, w
 
 
 def _optimizer(params: list[torch.nn.Parameter], config: FinetuneConfig) -> torch.optim.Optimizer:

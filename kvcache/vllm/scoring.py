@@ -210,7 +210,7 @@ def _score(state: LayerState, work: Work, isa: str, query: torch.Tensor, kv_cach
     statistics. A part that does not end its call keeps the queries the policy listens to."""
     rule = work.rule
     policy = state.policy or rule.policy
-    N, C = rule.block, rule.cache_length
+    N = rule.block
     seen, total = work.seen, work.total
     Hkv = kv_cache.shape[1]
     Hp = Hkv if policy.per_head else 1
@@ -219,42 +219,96 @@ def _score(state: LayerState, work: Work, isa: str, query: torch.Tensor, kv_cach
         # Statistics of the queries alone (expected_attention): every call adds its own, so the
         # parts of a call and the tokens of a recompute add up as the calls they stand for.
         policy.observe(Candidates(None, None, torch.full((1, Hp, 0), -1), {}, q, step_of(seen, total)))
+    call = _call_of(work)
+    part = _Part(state, work, policy, call, isa, kv_cache)
+    observes = policy._observes and policy.needs_attention and (policy.observe_every_step or call.evicting)
+    if policy.needs_attention and (observes or call.evicting):
+        state.pending.append(_listened(part, q))
+    if total < call.end:
+        return  # the call goes on in a later step
+    pending, state.pending = state.pending, []
+    if not (call.evicting or observes):
+        return  # most calls of a policy that scores only when it evicts
+    base = _base(state, call.columns, Hp, N)  # (Hp, K)
+    c = _candidates(part, base, pending, q)
+    if observes and c.mass is not None:
+        policy.observe(c)
+    if not call.evicting:
+        _remember(state, call.columns, base, c.stats, policy, Hp, N)
+        return
+    _evict(part, c, base)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """The call a part of a request belongs to, as one layer scores it: tokens [start, end) as
+    kvcache's ``step``, the columns it read (the blocks kept before it, then its own, consecutive)
+    and whether it evicts."""
+
+    start: int
+    end: int
+    step: Step
+    columns: list[int]
+    evicting: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class _Part:
+    """One request's part of a call in one layer, as ``_score`` handles it: the request's state in
+    the layer, its ``Work``, the policy instance that scores it (the request's own or the rule's),
+    the call the part belongs to, and the layer's paged cache (num_blocks, Hkv, N, 2 D) with the
+    layout it is read in (``isa``)."""
+
+    state: LayerState
+    work: Work
+    policy: object
+    call: _Call
+    isa: str
+    kv_cache: torch.Tensor
+
+
+def _call_of(work: Work) -> _Call:
+    """The call ``work`` is a part of."""
+    rule = work.rule
     if work.call is not None:
         # A prompt call [start, end): the blocks kept before it, then its own.
         start, end = work.call
-        step = step_of(start, end)
-        columns = list(rule.read_by(end - 1, start))
-        evicting = evicts(rule, start, end)
+        return _Call(start, end, step_of(start, end), list(rule.read_by(end - 1, start)), evicts(rule, start, end))
+    # Generated tokens, each a call of its own. A step of several (a recompute after a
+    # preemption, between two evictions) is scored as its tokens one by one: observed every
+    # step, each query's attention adds up; scored only when evicting, the newest query's.
+    start, end = work.total - 1, work.total
+    return _Call(start, end, step_of(start, end), list(rule.read_by(start, start)), evicts(rule, start, end))
+
+
+def _listened(part: _Part, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The queries of the part (q (1, Hq, T, D), at positions [seen, total)) the policy listens
+    to, as ``LayerState.pending`` keeps them: (queries (1, Hq, L, D), positions (L,), weights (L,))."""
+    policy, work, call = part.policy, part.work, part.call
+    seen, total = work.seen, work.total
+    if work.call is not None:
+        weight = policy.query_weight(call.step)[0, seen - call.start: total - call.start]
+        first = seen
     else:
-        # Generated tokens, each a call of its own. A step of several (a recompute after a
-        # preemption, between two evictions) is scored as its tokens one by one: observed every
-        # step, each query's attention adds up; scored only when evicting, the newest query's.
-        start, end = total - 1, total
-        step = step_of(start, end)
-        columns = list(rule.read_by(start, start))
-        evicting = evicts(rule, start, end)
-    observes = policy._observes and policy.needs_attention and (policy.observe_every_step or evicting)
-    if policy.needs_attention and (observes or evicting):
-        if work.call is not None:
-            weight = policy.query_weight(step)[0, seen - start: total - start]
-            first = seen
-        else:
-            first = seen if policy.observe_every_step else total - 1
-            weight = torch.cat([policy.query_weight(step_of(t, t + 1)) for t in range(first, total)], 1)[0]
-        listened = weight.nonzero().flatten()
-        heard = q[:, :, first - seen:][:, :, listened]
-        state.pending.append((heard, first + listened, weight[listened]))
-    if total < end:
-        return  # the call goes on in a later step
-    pending, state.pending = state.pending, []
-    if not (evicting or observes):
-        return  # most calls of a policy that scores only when it evicts
-    base = _base(state, columns, Hp, N)  # (Hp, K)
+        first = seen if policy.observe_every_step else total - 1
+        weight = torch.cat([policy.query_weight(step_of(t, t + 1)) for t in range(first, total)], 1)[0]
+    listened = weight.nonzero().flatten()
+    heard = q[:, :, first - seen:][:, :, listened]
+    return heard, first + listened, weight[listened]
+
+
+def _candidates(part: _Part, base: torch.Tensor, pending: list, q: torch.Tensor) -> Candidates:
+    """The tokens of the blocks the call read, as the policy's hooks take them: keys and values
+    of its columns (K of them), positions (1, Hp, K N) from ``base`` (Hp, K) (-1 past the call's
+    end), the statistics kept, the part's queries q (1, Hq, T, D) (at most the call's), and the
+    attention mass of the ``pending`` listened queries (``LayerState.pending``)."""
+    work, call, policy, isa, kv_cache = part.work, part.call, part.policy, part.isa, part.kv_cache
+    Hp, N = base.shape[0], work.rule.block
     positions = base[:, :, None] + torch.arange(N)  # (Hp, K, N)
-    positions = torch.where(positions < end, positions, -1).reshape(1, Hp, -1)
-    keys = read(kv_cache, work.table[columns][None], isa).float()  # (1, Hkv, K N, D)
-    values = Values(kv_cache, work.table[columns][None], isa)
-    stats = {name: s.reshape(1, Hp, -1) for name, s in zip(policy.stat_names, _stats(state, policy, columns, Hp, N))}
+    positions = torch.where(positions < call.end, positions, -1).reshape(1, Hp, -1)
+    keys = read(kv_cache, work.table[call.columns][None], isa).float()  # (1, Hkv, K N, D)
+    values = Values(kv_cache, work.table[call.columns][None], isa)
+    stats = {name: s.reshape(1, Hp, -1) for name, s in zip(policy.stat_names, _stats(part.state, policy, call.columns, Hp, N))}
     mass, seen_by = None, 1.0
     if policy.needs_attention:
         heard = torch.cat([h for h, _, _ in pending], 2)
@@ -262,15 +316,22 @@ def _score(state: LayerState, work: Work, isa: str, query: torch.Tensor, kv_cach
         weight = torch.cat([w for _, _, w in pending])[None]
         _, mass, seen_by = attention.masked_with_weights(heard, keys, None, q_pos, positions, weight, outputs=False,
                                                          scores=ENGINE.scores)
-    c = Candidates(keys, values, positions, stats, q[:, :, -min(q.shape[2], end - start):], step, mass, seen_by)
-    if observes and mass is not None:
-        policy.observe(c)
-    if not evicting:
-        _remember(state, columns, base, stats, policy, Hp, N)
-        return
+    queries = q[:, :, -min(q.shape[2], call.end - call.start):]
+    return Candidates(keys, values, positions, stats, queries, call.step, mass, seen_by)
+
+
+def _evict(part: _Part, c: Candidates, base: torch.Tensor) -> None:
+    """The eviction at the end of a call: per head, the blocks the policy keeps (by its priority
+    over ``c``, whole blocks) move into the columns window keeps, oldest block first, the newest
+    block staying in its column; the state keeps their positions (from ``base`` (Hp, K), the
+    call's columns) and statistics."""
+    work, policy, columns, end = part.work, part.policy, part.call.columns, part.call.end
+    rule = work.rule
+    N, C = rule.block, rule.cache_length
+    Hp = base.shape[0]
     after = list(rule.kept_blocks(end))
-    priority = policy.priority(c).masked_fill(positions < 0, EMPTY)
-    priority, _ = keep_whole_blocks(priority, positions, N, end - 1, torch.tensor([C]))
+    priority = policy.priority(c).masked_fill(c.positions < 0, EMPTY)
+    priority, _ = keep_whole_blocks(priority, c.positions, N, end - 1, torch.tensor([C]))
     kept = (priority[0] == 0).view(Hp, len(columns), N).any(-1)  # (Hp, K) columns whose block stays
     newest = columns.index((end - 1) // N)
     targets = [i for i in after if i != columns[newest]]
@@ -281,12 +342,12 @@ def _score(state: LayerState, work: Work, isa: str, query: torch.Tensor, kv_cach
             raise RuntimeError(f"kvcache vLLM plugin: the {type(policy).name} policy kept {len(chosen)} blocks where "
                                f"vLLM keeps {len(targets)}")
         order.append(sorted(chosen, key=lambda j: int(base[h, j])) + [newest])
-    _move(kv_cache, work.table, columns, targets + [columns[newest]], order, Hp)
+    _move(part.kv_cache, work.table, columns, targets + [columns[newest]], order, Hp)
     index = torch.tensor(order)  # (Hp, len(after))
     new_base = base.gather(1, index)
     new_stats = {name: s.view(Hp, len(columns), N).gather(1, index[..., None].expand(-1, -1, N))
-                 for name, s in ((n, t[0]) for n, t in stats.items())}
-    _remember(state, after, new_base, {n: s[None] for n, s in new_stats.items()}, policy, Hp, N)
+                 for name, s in ((n, t[0]) for n, t in c.stats.items())}
+    _remember(part.state, after, new_base, {n: s[None] for n, s in new_stats.items()}, policy, Hp, N)
 
 
 def _queries(query: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,9 @@ time a key's codes are computed from codes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
 from ...kernels import fused
@@ -494,39 +497,10 @@ class KiviStorage(TokenStorage):
             # The slots from ``past`` on, decoded a block at a time as the query blocks reach them
             # and kept (one buffer), so that a query block reads them in one call or two.
             decoded = _Decoded(keys_r, values_r, past, span, fused.slot_blocks(keys_r, span, q, G, start=past))
+            read = _RowsRead(q, q_pos, r, pos_r, past, past_fold, decoded, seal, copies, span, window, single, G)
             for t0 in range(0, n, CHUNK_QUERIES):
                 t1 = min(n, t0 + CHUNK_QUERIES)
-                if past_fold is not None and past:
-                    fold = fused.Fold(q[r, :, t0:t1], acc=past_fold.acc[r, :, t0:t1], lse=past_fold.lse[r, :, t0:t1])
-                else:
-                    fold = fused.Fold(q[r, :, t0:t1])
-                rows_r = slice(0, keys_r.codes.shape[0])
-                p = q_pos[r.start, t0:t1, None]  # (n, 1): the block's positions, shared by the rows
-                newest = int(p.max())
-                own = max(past, int(p.min()) // G * G)  # the block's first group
-                e = min(span, newest + 1)  # slot s holds position s: later slots are unseen
-                kb, vb = decoded.upto(e)
-                # Slots before the block's first group every query reads as they are now (each
-                # group there was sealed before the block's first position): one call, no mask.
-                a = past if single or window is not None else own
-                if a > past:
-                    fold.add(rows_r, 0, t1 - t0, kb[:, :, : a - past], vb[:, :, : a - past], None)
-                pos = pos_r[a:e]
-                visible = (pos >= 0) & (pos <= p) & (p >= seal[a:e])
-                kr, vr = kb[:, :, a - past : e - past], vb[:, :, a - past : e - past]
-                if copies is not None:
-                    # The staged copies the block may read: its own groups'.
-                    slots, ks, vs = copies(own, newest + 1)
-                    if slots is not None:
-                        c_pos = pos_r[slots]
-                        kr, vr = torch.cat((kr, ks), dim=2), torch.cat((vr, vs), dim=2)
-                        visible = torch.cat((visible, (c_pos <= p) & (p < seal[slots])), dim=1)
-                        pos = torch.cat((pos, c_pos))
-                if window is not None:
-                    visible &= pos > p - window
-                if kr.shape[2]:
-                    fold.add(rows_r, 0, t1 - t0, kr, vr, visible.expand(kr.shape[0], 1, *visible.shape))
-                out[r, :, t0:t1] = fold.out()
+                out[r, :, t0:t1] = read.attend(t0, t1)
         # The chunk's queries were the last to read the staged groups: later ones read every slot
         # as it is (and the staged copies, views of the chunk's keys and values, are let go).
         self._staged = None
@@ -608,6 +582,72 @@ class _Decoded:
             self.v[:, :, s0 - self.start : s1 - self.start] = self.values.decode(s0, s1)
             self.done = s1
         return self.k, self.v
+
+
+@dataclass
+class _RowsRead:
+    """How the query blocks of rows ``r`` of one ``KiviStorage.attend_chunk`` call (rows that share
+    positions and staging) read the slots from ``past`` on, folded with the past they read before.
+
+    q: (B, Hq, T, D) and q_pos (B, T): the whole chunk's queries; rows ``r`` are read.
+    pos: (span,) long, the position each slot of the rows holds (-1: empty).
+    past: slots [0, past) are groups sealed before the chunk, folded into ``past_fold`` (q's fold,
+          None while no rows had any past) for every query of the rows.
+    decoded: the rows' slots [past, span), decoded as the query blocks reach them.
+    seal, copies: what the last write staged for the rows (``KiviStorage._staged_reads``).
+    window: the model's sliding window; single: q does not fold (``fused.folds``); G: the key group.
+    """
+
+    q: torch.Tensor
+    q_pos: torch.Tensor
+    r: slice
+    pos: torch.Tensor
+    past: int
+    past_fold: fused.Fold | None
+    decoded: _Decoded
+    seal: torch.Tensor
+    copies: Callable[[int, int], tuple] | None
+    span: int
+    window: int | None
+    single: bool
+    G: int
+
+    def attend(self, t0: int, t1: int) -> torch.Tensor:
+        """Queries [t0, t1) of the rows over slots [past, span), folded with what their past gave
+        them: (b, Hq, t1 - t0, D) at q's dtype."""
+        r, past, G, window = self.r, self.past, self.G, self.window
+        if self.past_fold is not None and past:
+            acc, lse = self.past_fold.acc[r, :, t0:t1], self.past_fold.lse[r, :, t0:t1]
+            fold = fused.Fold(self.q[r, :, t0:t1], acc=acc, lse=lse)
+        else:
+            fold = fused.Fold(self.q[r, :, t0:t1])
+        rows = slice(0, self.decoded.keys.codes.shape[0])
+        p = self.q_pos[r.start, t0:t1, None]  # (n, 1): the block's positions, shared by the rows
+        newest = int(p.max())
+        own = max(past, int(p.min()) // G * G)  # the block's first group
+        e = min(self.span, newest + 1)  # slot s holds position s: later slots are unseen
+        kb, vb = self.decoded.upto(e)
+        # Slots before the block's first group every query reads as they are now (each
+        # group there was sealed before the block's first position): one call, no mask.
+        a = past if self.single or window is not None else own
+        if a > past:
+            fold.add(rows, 0, t1 - t0, kb[:, :, : a - past], vb[:, :, : a - past], None)
+        pos = self.pos[a:e]
+        visible = (pos >= 0) & (pos <= p) & (p >= self.seal[a:e])
+        kr, vr = kb[:, :, a - past : e - past], vb[:, :, a - past : e - past]
+        if self.copies is not None:
+            # The staged copies the block may read: its own groups'.
+            slots, ks, vs = self.copies(own, newest + 1)
+            if slots is not None:
+                c_pos = self.pos[slots]
+                kr, vr = torch.cat((kr, ks), dim=2), torch.cat((vr, vs), dim=2)
+                visible = torch.cat((visible, (c_pos <= p) & (p < self.seal[slots])), dim=1)
+                pos = torch.cat((pos, c_pos))
+        if window is not None:
+            visible &= pos > p - window
+        if kr.shape[2]:
+            fold.add(rows, 0, t1 - t0, kr, vr, visible.expand(kr.shape[0], 1, *visible.shape))
+        return fold.out()
 
 
 class _Runs:
