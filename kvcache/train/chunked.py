@@ -118,7 +118,7 @@ def chunked_loss(
     if float(denom) <= 0:
         raise ValueError("no token to predict: every label is ignore_index (or every weight is 0)")
     length = T if cache_length is None else cache_length
-    cache = make_cache(model, policy, cache_length=length, batch_size=B, prompt_length=T, **options)
+    cache = make_cache(model, policy, cache_length=length, batch_size=B, prompt_length=T, options=options)
     for layer in cache.layers:
         check_supported(layer)
     if not all(getattr(s, "exact_roundtrip", True) for layer in cache.layers for s in storages(layer)):
@@ -130,7 +130,7 @@ def chunked_loss(
             KVCacheWarning,
             stacklevel=2,
         )
-        cache = make_cache(model, full, cache_length=length, batch_size=B, prompt_length=T, **options)
+        cache = make_cache(model, full, cache_length=length, batch_size=B, prompt_length=T, options=options)
     if cache.max_tokens is not None and cache.max_tokens < T:
         raise CapacityError(
             f"a {policy!r} cache of cache_length={cache.max_tokens} cannot hold a sequence of {T} tokens: "
