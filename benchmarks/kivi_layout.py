@@ -56,7 +56,7 @@ def main() -> None:
         scoring = not name.startswith("dense")
         length = args.cache_length if scoring else total
         options = kvcache.cache.budget_options(name, length) if scoring else {}
-        cache = kvcache.make_cache(model, name, cache_length=length, **options)
+        cache = kvcache.make_cache(model, name, cache_length=length, options=options)
         with torch.inference_mode():
             for start in range(0, args.prompt, args.chunk):
                 model(ids[:, start : start + args.chunk], cache, last_only=True)

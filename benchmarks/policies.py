@@ -109,7 +109,7 @@ def time_policies(model, cache_length: int, steps: int, repeats: int, prompt_tok
         policies = {name: options for name, options in policies.items() if name not in skipped}
     if compiled:
         allow_recompiles()  # each policy's captured step is a compiled version of its own: more than 8
-    caches = {name: kvcache.make_cache(model, policy_of(name), cache_length=cache_length, **options)
+    caches = {name: kvcache.make_cache(model, policy_of(name), cache_length=cache_length, options=options)
               for name, options in policies.items()}
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, model.config.vocab_size, (1, prompt_tokens), generator=gen).to(device)

@@ -294,7 +294,7 @@ def measure_model_speed(tokens: int, new: int, device: torch.device = CPU, dtype
         for name in names:
             length = tokens + new if name.startswith("dense") else 4096
             options = {} if name.startswith("dense") else kvcache.cache.budget_options(name, length)
-            caches[name] = kvcache.make_cache(model, name, cache_length=length, batch_size=batch, **options)
+            caches[name] = kvcache.make_cache(model, name, cache_length=length, batch_size=batch, options=options)
             for start in range(0, tokens, 2048):
                 model(ids[:, start : min(start + 2048, tokens)], caches[name], last_only=True)
             log(f"model speed: prefilled {name}")

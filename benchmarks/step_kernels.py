@@ -44,7 +44,7 @@ from emit import emit
 from torch.profiler import ProfilerActivity
 
 import kvcache
-from kvcache.cache.registry import check_names, parse_name, policy_class
+from kvcache.cache.registry import check_names, policy_class
 from kvcache.generation.compiled import captured_decode
 from kvcache.runtime.threads import set_threads
 
@@ -114,7 +114,7 @@ def model_cases(args, device: torch.device, dtype: torch.dtype) -> dict:
             for mode in modes:
                 # Room for the warm-up and profiled steps, and the capture's own first step.
                 need = args.prompt + args.steps + 4
-                evicts = policy_class(parse_name(name)[0]).evicts
+                evicts = policy_class(name).evicts
                 length = (args.cache_length or args.prompt // 2) if evicts else need
                 cache = kvcache.make_cache(model, name, cache_length=length, batch_size=args.batch)
                 with torch.inference_mode():

@@ -673,7 +673,7 @@ def policy_kept(model, pair: Pair, ratio: float, ids: list[int], shared) -> list
     kept = kept_tokens(len(ids), ratio)
 
     def fresh():
-        return kvcache.make_cache(model, pair.policy, cache_length=kept, **pair.options)
+        return kvcache.make_cache(model, pair.policy, cache_length=kept, options=pair.options)
 
     cache, _ = shared.prefill(model, fresh(), ids, f"{press_name(pair)} {ratio:g}", fresh)
     out = []
@@ -787,7 +787,7 @@ def kvzip_check(model_dir: Path, ids: list[int], ratios: list[float]) -> list[di
                 hf(input_ids=x, past_key_values=DynamicCache())
             theirs = press.recorded[:, 0]  # (layers, Hkv, n)
             kept = max(1, int(len(ids) * (1 - ratio)))
-            cache = kvcache.make_cache(model, "kvzip", cache_length=kept, sinks=0)
+            cache = kvcache.make_cache(model, "kvzip", cache_length=kept, options={"sinks": 0})
             kvzip.prefill(model, cache, x, repeat=kvzip.repeat_ids(tok), chunk=None)
             same = total = 0
             worst = 0.0

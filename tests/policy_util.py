@@ -109,7 +109,7 @@ def feed(model, cache, rows, schedule, *, pad_seed=0, after_call=None):
 
 def feed_alone(model, policy, row, row_schedule, cache_length, **options):
     """Row ``row`` alone (batch 1), with its own chunk sizes (zeros skipped). Returns (logits, cache)."""
-    cache = kvcache.make_cache(model, policy, cache_length=cache_length, batch_size=1, **options)
+    cache = kvcache.make_cache(model, policy, cache_length=cache_length, batch_size=1, options=options)
     logits = feed(model, cache, [row], [[k] for k in row_schedule if k])[0]
     return logits, cache
 

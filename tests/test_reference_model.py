@@ -96,7 +96,7 @@ def test_a_small_sink_cache_drifts_from_dense_and_a_covering_one_does_not(refere
         dense = model(ids).log_softmax(-1)
 
         def kl(cache_length: int) -> float:
-            cache = kvcache.make_cache(model, "sink", cache_length=cache_length, sinks=4)
+            cache = kvcache.make_cache(model, "sink", cache_length=cache_length, options={"sinks": 4})
             got = torch.cat([model(ids[:, i : i + 32], cache) for i in range(0, 256, 32)], dim=1).log_softmax(-1)
             return (dense.exp() * (dense - got)).sum(-1).mean().item()
 

@@ -28,7 +28,7 @@ def record_held(model, ids: torch.Tensor, policy: str, cache_length: int, sizes:
     which the reference attends straight-through: recomputing the codes instead could round a value
     that lies on a code boundary the other way, a jump of a whole quantization step."""
     B = ids.shape[0]
-    cache = kvcache.make_cache(model, policy, cache_length=cache_length, batch_size=B, **options)
+    cache = kvcache.make_cache(model, policy, cache_length=cache_length, batch_size=B, options=options)
     stored = [[] for _ in cache.layers]
     for layer, keep in zip(cache.layers, stored):
         def attend(q, k, v, step, layer=layer, keep=keep, attend=layer.attend):

@@ -1,10 +1,9 @@
 """Policy names -> layer cache classes, their typed options, and ``make_cache``.
 
-A cache is named ``policy[(options)][:storage]``: ``h2o`` keeps the tokens H2O picks at full
-precision, ``h2o:int4`` keeps the tokens it picks as 4-bit codes, ``h2o(recent=0,normalize=true)``
-sets two of its options in the name (``name_options``), so that one string names a variant
-wherever a policy is named (``kvcache eval --policies``, ``make_cache``). Any policy pairs with any
-storage.
+A cache is named ``policy[(options)][:storage]`` (names.py parses it once into a ``CacheName``):
+``h2o`` keeps the tokens H2O picks at full precision, ``h2o:int4`` keeps them as 4-bit codes,
+``h2o(recent=0,normalize=true)`` sets two of its options in the name. Every function here takes a
+name as text or as a ``CacheName``. Any policy pairs with any storage.
 
 The built-in policies are found, not listed: every module under ``policies/`` is imported on
 first use and each layer cache class defined there with a ``name`` is registered. Adding a
@@ -14,9 +13,8 @@ policy is adding a file. Policies defined elsewhere register with ``register``.
 from __future__ import annotations
 
 import dataclasses
-import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -26,20 +24,21 @@ from .base import CacheSpec, KVCache, LayerCache
 from .blocks import check_block
 from .budgets import layer_budgets
 from .headwise import HeadwiseCache
+from .names import CacheName
 from .options import OptionInfo, build, describe
 from .policies import POLICIES as _POLICIES
 from .policies import discover as _discover
 from .policies import lookup as _lookup
-from .storages import STORAGES, check_storage, parse_storage
+from .storages import STORAGES, check_storage
 
 
-def policy_class(policy: str) -> type[LayerCache]:
+def policy_class(policy: str | CacheName) -> type[LayerCache]:
     """The layer cache class of ``policy`` (a name like ``sink`` or ``sink:int8``), for engines
     that build layer caches of their own (kvcache.vllm); ValueError naming the available ones."""
-    return _lookup(parse_name(policy)[0])
+    return _lookup(CacheName.parse(policy).policy)
 
 
-def reconstructs(policy: str) -> bool:
+def reconstructs(policy: str | CacheName) -> bool:
     """Whether ``policy`` scores a context by a reconstruction pass (kvcache.generation.reconstruction), which only
     the runs that make that pass can fill its cache by."""
     return getattr(policy_class(policy), "reconstructs", False)
@@ -56,115 +55,28 @@ def storages() -> dict[str, str]:
     return dict(STORAGES)
 
 
-def option_info(policy: str) -> list[OptionInfo]:
+def option_info(policy: str | CacheName) -> list[OptionInfo]:
     """Options of ``policy`` (a name like ``h2o`` or ``h2o:int4``): name, type, default, help
     and, for a string option, its valid values."""
-    return describe(_lookup(parse_name(policy)[0]).Options)
+    return describe(policy_class(policy).Options)
 
 
-def policy_options(policy: str) -> dict[str, object]:
+def policy_options(policy: str | CacheName) -> dict[str, object]:
     """Options of ``policy`` (a name like ``h2o`` or ``h2o:int4``) with their defaults."""
     return {info.name: info.default for info in option_info(policy)}
 
 
-def budget_options(policy: str, cache_length: int) -> dict[str, object]:
+def budget_options(policy: str | CacheName, cache_length: int) -> dict[str, object]:
     """Options as ``policy``'s paper sets them for a budget of ``cache_length`` slots (h2o: half
     the budget recent; snapkv: a window of up to 32; sink: up to 4 sinks), less those the name
     sets itself (``snapkv(window=64)`` keeps its window). Evaluation and benchmarks use these so
     that every policy is compared at its intended settings."""
-    named = name_options(policy)
-    scaled = _lookup(parse_name(policy)[0]).options_for_budget(cache_length)
-    return {k: v for k, v in scaled.items() if k not in named}
+    name = CacheName.parse(policy)
+    scaled = _lookup(name.policy).options_for_budget(cache_length)
+    return {k: v for k, v in scaled.items() if k not in name.options}
 
 
-# policy, then optionally (key=value, ...), then optionally :storage
-_NAME = re.compile(r"^([^():]+)(?:\(([^()]*)\))?(?::(.*))?$")
-
-
-def _split(name: str) -> tuple[str, str | None, str | None]:
-    """(policy, the text between the parentheses or None, storage or None); ValueError if the
-    name is not ``policy[(options)][:storage]``."""
-    if not isinstance(name, str):
-        raise ValueError(f"a policy name is a string such as 'h2o' or 'h2o:int4', got {name!r}")
-    found = _NAME.match(name.strip())
-    if found is None:
-        raise ValueError(f"{name!r} is not a cache name: policy[(option=value,...)][:storage], "
-                         "e.g. 'h2o', 'h2o:int4' or 'h2o(recent=0,normalize=true):int4'")
-    policy, options, storage = found.groups()
-    return policy.strip(), options, storage
-
-
-def parse_name(name: str) -> tuple[str, str]:
-    """``"h2o:int4"`` -> ("h2o", "int4"); ``"h2o"`` and ``"h2o(recent=8)"`` -> ("h2o", "full")
-    (the options: ``name_options``). Raises ValueError on an unknown storage (an unknown policy is
-    reported by ``_lookup``)."""
-    policy, _, storage = _split(name)
-    if storage is None:
-        return policy, "full"
-    try:
-        parse_storage(storage)
-    except ValueError as e:
-        raise ValueError(f"{e} (in {name!r}: name a cache policy[:storage], e.g. 'h2o:int4')") from None
-    return policy, storage
-
-
-def _value(text: str) -> object:
-    """An option value as written in a name: an int, a float, true/false, or else the text."""
-    low = text.lower()
-    if low in ("true", "false"):
-        return low == "true"
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
-def name_options(name: str) -> dict[str, object]:
-    """The options a cache name sets: ``"snapkv(window=64,kernel=5)"`` -> {"window": 64,
-    "kernel": 5}; {} for a name without parentheses. Values are ints, floats, ``true``/``false``
-    or strings (``fallback=tova``); whether the policy takes them is checked where the cache is
-    made (or by ``check_names``)."""
-    _, text, _ = _split(name)
-    if text is None:
-        return {}
-    options: dict[str, object] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        key, sep, value = item.partition("=")
-        key, value = key.strip(), value.strip()
-        if not sep or not key.isidentifier() or not value:
-            raise ValueError(f"{name!r}: {item!r} is not option=value")
-        if key in options:
-            raise ValueError(f"{name!r}: option {key!r} given twice")
-        options[key] = _value(value)
-    return options
-
-
-def with_name_options(name: str, options: dict[str, object]) -> dict[str, object]:
-    """``options`` with those ``name`` sets (``name_options``) added; ValueError for an option
-    set both in the name and in ``options``."""
-    named = name_options(name)
-    twice = sorted(set(named) & set(options))
-    if twice:
-        raise ValueError(f"{name!r} sets {', '.join(twice)} in its name, and the same option is given again "
-                         "outside it: set each option once")
-    return {**options, **named}
-
-
-def canonical_name(name: str) -> str:
-    """``name`` written one way: its options sorted by name, without spaces, values as
-    ``name_options`` reads them (``"snapkv( window=64 ,kernel=5)"`` -> ``"snapkv(kernel=5,window=64)"``);
-    a name without options is returned as it is."""
-    options = name_options(name)
-    policy, text, storage = _split(name)
-    if text is None:
-        return name
-    shown = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in sorted(options.items()))
-    return f"{policy}({shown})" + (f":{storage}" if storage is not None else "")
-
-
-def check_names(names: Sequence[str], what: str = "policies") -> None:
+def check_names(names: Sequence[str | CacheName], what: str = "policies") -> None:
     """Every ``policy[(options)][:storage]`` name of ``names`` known, its options the policy's and
     of the right types, or one ValueError naming each unknown policy, option and storage
     (``what``: how the caller's user gave the names, e.g. ``--policies``)."""
@@ -172,16 +84,15 @@ def check_names(names: Sequence[str], what: str = "policies") -> None:
     policies, problems = [], []
     for name in names:
         try:
-            policy, _ = parse_name(name)
-            options = name_options(name)
+            parsed = CacheName.parse(name)
         except ValueError as e:
             problems.append(str(e))
             continue
-        if policy not in _POLICIES:
-            policies.append(name)
+        if parsed.policy not in _POLICIES:
+            policies.append(str(name))
             continue
         try:
-            build(policy, _POLICIES[policy].Options, options)
+            build(parsed.policy, _POLICIES[parsed.policy].Options, dict(parsed.options))
         except ValueError as e:
             problems.append(f"{name}: {e}")
     if policies:
@@ -200,25 +111,26 @@ def falls_back(storage: str) -> bool:
 def stored_as(cache: KVCache) -> str | None:
     """The storage ``cache`` holds, when it is not the one its name asks for: "full" where the
     named codes would have taken more bytes than full precision (``falls_back``); else None."""
-    _, named = parse_name(cache.policy)
+    named = CacheName.parse(cache.policy).storage
     return cache.spec.storage if cache.spec.storage != named else None
 
 
-def break_even(model: torch.nn.Module, policy: str, *, batch_size: int = 1, largest: int = 1 << 20) -> int | None:
+def break_even(model: torch.nn.Module, policy: str | CacheName, *, batch_size: int = 1, largest: int = 1 << 20) -> int | None:
     """The smallest ``cache_length`` at which ``policy`` (``h2o:int4``) holds its codes, not full
     precision (``falls_back``), for ``model``; None if the storage never falls back (or not
     below ``largest``). Sizes come from caches built on the meta device: nothing is allocated."""
-    name, storage = parse_name(policy)
+    name = CacheName.parse(policy)
+    storage = name.storage
     if not falls_back(storage):
         return None
-    cls = _lookup(name)
+    cls = _lookup(name.policy)
 
     def nbytes(length: int, stored: str) -> int:
         total = 0
         for i, budget in enumerate(layer_budgets(length, model.config.num_layers, "uniform")):
             spec = CacheSpec.for_model(model, batch_size=batch_size, cache_length=budget, storage=stored, layer=i)
             spec = dataclasses.replace(spec, device=torch.device("meta"))
-            total += layer_cache(cls, spec, name_options(policy)).nbytes()
+            total += layer_cache(cls, spec, dict(name.options)).nbytes()
         return total
 
     def codes(length: int) -> bool:
@@ -274,7 +186,7 @@ def resolve_budget(cache_length: int | float, prompt_length: int | None) -> int:
 
 def make_cache(
     model: torch.nn.Module,
-    policy: str = "dense",
+    policy: str | CacheName = "dense",
     *,
     cache_length: int | float,
     batch_size: int = 1,
@@ -283,7 +195,7 @@ def make_cache(
     head_budgets: Sequence[Sequence[int]] | None = None,
     reserve: int = 0,
     block: int = 1,
-    **options: object,
+    options: Mapping[str, object] | None = None,
 ) -> KVCache:
     """A cache for ``model`` holding up to ``cache_length`` tokens per row for ``batch_size`` rows.
 
@@ -291,25 +203,26 @@ def make_cache(
     (float; 1.0 is the whole prompt). ``allocation`` spreads the budget over layers ("uniform",
     "pyramid", or one count per layer). ``head_budgets[layer][head]`` instead gives every K/V
     head its own capacity (see ``adaptive_head_budgets``); each head is then allocated at its own
-    size. ``options`` are the policy's own (see ``policy_options``); an option left out takes its
-    default, or, if the default does not fit a layer's budget, the value the policy's paper uses
-    at that budget (``budget_options``). ``policy`` may set options in its name too,
-    ``"snapkv(window=64)"`` (``name_options``; an option set both ways is an error), and may name a
-    storage, ``"h2o:int4"`` (see ``storages``; default full precision); an ``int<bits>`` storage
-    holds full precision instead on a cache too small for its codes to take fewer bytes
-    (``break_even``; ``stored_as`` tells). ``reserve`` (scoring policies: h2o, tova, snapkv, ...)
-    makes eviction batched: a layer that overflows keeps ``cache_length - reserve`` tokens, and
-    the next ``reserve`` tokens are appended without evicting. With ``cache_length = kept +
-    reserve`` a prompt is compressed to ``kept`` tokens once and then grows by up to ``reserve``
-    tokens, as kvpress does. Buffers are allocated here, once, in the model's dtype and on its
-    device. ``block`` (any policy) makes an evicting policy keep whole aligned blocks of
-    ``block`` positions, as a paged serving engine frees them (see blocks.py).
+    size. ``options`` maps the policy's own options to values (see ``policy_options``), e.g.
+    ``{"recent": 32}``; an option left out takes its default, or, if the default does not fit a
+    layer's budget, the value the policy's paper uses at that budget (``budget_options``).
+    ``policy`` (text or a ``CacheName``) may set options in its name too, ``"snapkv(window=64)"``
+    (an option set both ways is an error), and may name a storage, ``"h2o:int4"`` (see
+    ``storages``; default full precision); an ``int<bits>`` storage holds full precision instead
+    on a cache too small for its codes to take fewer bytes (``break_even``; ``stored_as``
+    tells). ``reserve`` (scoring policies: h2o, tova, snapkv, ...) makes eviction batched: a
+    layer that overflows keeps ``cache_length - reserve`` tokens, and the next ``reserve``
+    tokens are appended without evicting. With ``cache_length = kept + reserve`` a prompt is
+    compressed to ``kept`` tokens once and then grows by up to ``reserve`` tokens, as kvpress
+    does. Buffers are allocated here, once, in the model's dtype and on its device. ``block``
+    (any policy) makes an evicting policy keep whole aligned blocks of ``block`` positions, as a
+    paged serving engine frees them (see blocks.py).
     """
-    policy_name, storage = parse_name(policy)
+    name = CacheName.parse(policy)
+    policy_name, storage = name.policy, name.storage
     cls = _lookup(policy_name)
-    options_cls = cls.Options
-    options = with_name_options(policy, options)
-    build(policy_name, options_cls, options)  # names, types and choices, before anything else
+    options = dict(name.with_options(options).options)
+    build(policy_name, cls.Options, options)  # names, types and choices, before anything else
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     requested = cache_length
@@ -353,11 +266,11 @@ def make_cache(
 
     rows = f"{batch_size} row{'s' if batch_size != 1 else ''}"
     storage = _storage_that_fits(build_layers, storage, model.embed_tokens.weight.device,
-                                 f"a {policy} cache of {tokens} slots x {cfg.num_layers} layers x {rows}")
+                                 f"a {name} cache of {tokens} slots x {cfg.num_layers} layers x {rows}")
     layers = build_layers(None, storage)
     # (A sliding layer's ring keeps no reserve nor blocks: the cache's own spec says what was asked.)
     nominal = dataclasses.replace(layers[0].spec, cache_length=tokens, reserve=reserve, block=block)
-    return KVCache(layers, nominal, policy)
+    return KVCache(layers, nominal, str(name))
 
 
 def _budgets(cls: type[LayerCache], tokens: int, cfg, allocation: str | Sequence[int],

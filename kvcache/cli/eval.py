@@ -156,13 +156,14 @@ def check_grid(policies, model=None) -> None:
     """Every policy[(options)][:storage] of a grid, before any cell runs: one ValueError naming
     each unknown policy, option and storage; with ``model``, also the storages its head size
     cannot hold."""
-    from ..cache.registry import check_names, parse_name
+    from ..cache.names import CacheName
+    from ..cache.registry import check_names
     from ..cache.storages import check_storage
 
     check_names(policies, "--policies")
     if model is not None:
         for name in policies:
-            _, storage = parse_name(name)
+            storage = CacheName.parse(name).storage
             if storage != "full":
                 try:
                     check_storage(storage, model.config.head_dim)
@@ -218,7 +219,7 @@ def _ratios(args) -> list[float]:
 
 
 def _sweep(args, kind: str, out: Path, dtype: torch.dtype | None, progress: bool) -> None:
-    from ..cache.registry import canonical_name
+    from ..cache.names import CacheName
     from ..cache.registry import policies as registered
 
     if args.batch is not None and args.ray is not None:
@@ -235,7 +236,7 @@ def _sweep(args, kind: str, out: Path, dtype: torch.dtype | None, progress: bool
     policies = args.policies or sorted(registered(), key=lambda name: name != "dense")
     check_grid(policies)
     # One spelling per variant, so that "snapkv(kernel=5, window=64)" finds the cells of "snapkv(window=64,kernel=5)".
-    policies = list(dict.fromkeys(canonical_name(p) for p in policies))
+    policies = list(dict.fromkeys(str(CacheName.parse(p)) for p in policies))
     samples = args.samples or DEFAULT_SAMPLES
     if args.quick:
         tasks, lengths, samples = tasks[:2], [0] if kind == "dataset" else [1024], 1

@@ -139,7 +139,7 @@ def _finetune(args, options: dict, rank: int) -> Path:
     model = build()
     threads_for_model(model)
     # Options are checked (names, types, fit in the budget) before the data is read.
-    make_cache(base_model(model), config.policy, cache_length=config.cache_length, batch_size=1, **options)
+    make_cache(base_model(model), config.policy, cache_length=config.cache_length, batch_size=1, options=options)
     tokenizer = load_tokenizer(source)
     rows = token_rows(args.data, tokenizer, args.seq_len, field=args.field)
     _say(rank, f"{rows.shape[0]} rows of {args.seq_len} tokens from {', '.join(args.data)}")

@@ -337,7 +337,7 @@ def _generate_cache(args: argparse.Namespace, model, ids: list[list[int]], max_n
     cache_length = longest + max_new if args.cache_length is None else args.cache_length
     options = {k[4:]: v for k, v in vars(args).items() if k.startswith("opt_") and v is not None}
     return make_cache(model, args.policy, cache_length=cache_length, batch_size=len(ids), prompt_length=longest,
-                      allocation=args.allocation, reserve=args.reserve, **options)
+                      allocation=args.allocation, reserve=args.reserve, options=options)
 
 
 def _print_texts(texts: list[str], stream: TextStream | None) -> None:

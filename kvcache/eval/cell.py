@@ -158,14 +158,14 @@ def make_cell_cache(model, policy: str, ratio: float, first: int, total: int,
     """A cache that keeps ``int((1 - ratio) * first)`` of the first ``first`` tokens, for ``total``.
     ``options``: the policy's own options, over those its paper sets at that budget."""
     if keeps_all(policy) or ratio == 0:
-        return make_cache(model, policy, cache_length=total, **(options or {}))
+        return make_cache(model, policy, cache_length=total, options=options)
     kept = max(1, int(first * (1 - ratio)))
     options = {**budget_options(policy, kept), **(options or {})}
     if policy_class(policy).supports_reserve:
         # Capped so that the first chunk still overflows (at kvpress's ratios it never binds).
         reserve = max(0, min(total - first, first - kept - 1))
-        return make_cache(model, policy, cache_length=kept + reserve, reserve=reserve, **options)
-    return make_cache(model, policy, cache_length=kept, **options)
+        return make_cache(model, policy, cache_length=kept + reserve, reserve=reserve, options=options)
+    return make_cache(model, policy, cache_length=kept, options=options)
 
 
 # Cells of a sample whose answers decode as one batch (``run_cells``): a step reads the weights

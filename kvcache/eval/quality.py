@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from ..cache.registry import budget_options, check_names, make_cache, parse_name, reconstructs
+from ..cache.names import CacheName
+from ..cache.registry import budget_options, check_names, make_cache, reconstructs
 from ..cache.registry import policies as registered_policies
 from ..generation.generate import generate
 from .tasks import TaskMaker
@@ -59,14 +60,14 @@ def _cells(grid: Grid) -> list[tuple[str, float]]:
 
 def _keeps_all(policy: str) -> bool:
     """Dense at any storage (``dense:int4``): it has no budget, it holds the whole context."""
-    return parse_name(policy)[0] == "dense"
+    return CacheName.parse(policy).policy == "dense"
 
 
 @torch.inference_mode()
 def streaming(model, ids: torch.Tensor, policy: str, cache_length: int, chunk: int,
               reference: torch.Tensor) -> dict[str, float]:
     """ids: (1, N). reference: (N - 1, vocab) dense log-probabilities of the next tokens."""
-    cache = make_cache(model, policy, cache_length=cache_length, **budget_options(policy, cache_length))
+    cache = make_cache(model, policy, cache_length=cache_length, options=budget_options(policy, cache_length))
     logits = torch.cat([model(ids[:, i : i + chunk], cache)[0] for i in range(0, ids.shape[1], chunk)])
     logp = F.log_softmax(logits[:-1].float(), dim=-1)
     nll = -logp.gather(1, ids[0, 1:, None]).mean().item()
@@ -87,7 +88,7 @@ def passkey(model, tasks: TaskMaker, policy: str, budget: float, length: int, de
         prompt, answer = tasks.passkey(length, depth=depth, chat=chat)
         context = len(prompt) - question
         cache_length = len(prompt) + len(answer) if _keeps_all(policy) else max(8, round(budget * context))
-        cache = make_cache(model, policy, cache_length=cache_length, **budget_options(policy, cache_length))
+        cache = make_cache(model, policy, cache_length=cache_length, options=budget_options(policy, cache_length))
         # query_agnostic: the first chunk is the context alone, so the cache is compressed
         # before the question arrives.
         chunk = context if protocol == "query_agnostic" else None

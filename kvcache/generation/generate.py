@@ -405,7 +405,7 @@ def _cache_for(model: Transformer, rows: list[list[int]], max_new_tokens: int, c
     longest = max(map(len, rows))
     if cache is None:
         cache = make_cache(model, policy, cache_length=longest + max_new_tokens if cache_length is None else cache_length,
-                           batch_size=len(rows), prompt_length=longest, **(policy_options or {}))
+                           batch_size=len(rows), prompt_length=longest, options=policy_options)
     elif cache_length is not None or policy_options is not None or policy != "dense":
         raise ValueError("pass either cache= or policy/cache_length/policy_options (they make a cache), not both")
     elif not isinstance(cache, KVCache):

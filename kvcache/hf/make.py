@@ -3,11 +3,12 @@ model's attention to kvcache's."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from ..cache import make_cache as make_kvcache
+from ..cache.names import CacheName
 from . import geometry
 from .attention import NAME
 from .cache import HFCache
@@ -16,7 +17,7 @@ from .geometry import UnsupportedModelError
 
 def make_cache(
     model: torch.nn.Module,
-    policy: str = "dense",
+    policy: str | CacheName = "dense",
     *,
     cache_length: int | float,
     batch_size: int = 1,
@@ -25,7 +26,7 @@ def make_cache(
     head_budgets: Sequence[Sequence[int]] | None = None,
     reserve: int = 0,
     block: int = 1,
-    **options: object,
+    options: Mapping[str, object] | None = None,
 ) -> HFCache:
     """A transformers ``Cache`` for ``model`` (a ``PreTrainedModel``) whose layers are kvcache
     layer caches of ``policy`` (``name[:storage]``, any of ``kvcache.policies()``), and the
@@ -33,7 +34,7 @@ def make_cache(
 
     The arguments are ``kvcache.make_cache``'s, with the same meaning and checks: ``cache_length``
     tokens per row and layer (or a fraction of ``prompt_length``), ``batch_size`` rows,
-    ``allocation``, ``head_budgets``, ``reserve``, ``block`` and the policy's own ``options``. Pass the result
+    ``allocation``, ``head_budgets``, ``reserve``, ``block`` and the policy's own ``options`` (a mapping). Pass the result
     as ``past_key_values`` to ``model(...)`` or ``model.generate(...)``; it is one sequence of
     calls' state, like a ``DynamicCache``, and ``reset()`` empties it.
 
@@ -45,7 +46,7 @@ def make_cache(
     try:
         kv = make_kvcache(geometry.as_kvcache_model(g, model), policy, cache_length=cache_length, batch_size=batch_size,
                           prompt_length=prompt_length, allocation=allocation, head_budgets=head_budgets,
-                          reserve=reserve, block=block, **options)
+                          reserve=reserve, block=block, options=options)
     except ValueError as e:
         if g.inv_freqs is None and "inv_freq" in str(e):
             raise UnsupportedModelError(f"{e}; {type(model).__name__} has none kvcache can use: {g.rope_note}") from None

@@ -142,7 +142,7 @@ def _replayable_cache(model: torch.nn.Module, policy: str, length: int | float, 
     and ``options``, or the same policy with ``full`` storage (and a warning) where its storage
     quantizes a token depending on where it is placed, so its keys cannot be replayed as stored.
     Raises CapacityError where a cache that does not evict cannot hold the T tokens."""
-    cache = make_cache(model, policy, cache_length=length, batch_size=B, prompt_length=T, **options)
+    cache = make_cache(model, policy, cache_length=length, batch_size=B, prompt_length=T, options=options)
     for layer in cache.layers:
         check_supported(layer)
     if not all(getattr(s, "exact_roundtrip", True) for layer in cache.layers for s in storages(layer)):
@@ -154,7 +154,7 @@ def _replayable_cache(model: torch.nn.Module, policy: str, length: int | float, 
             KVCacheWarning,
             stacklevel=3,  # chunked_loss's caller
         )
-        cache = make_cache(model, full, cache_length=length, batch_size=B, prompt_length=T, **options)
+        cache = make_cache(model, full, cache_length=length, batch_size=B, prompt_length=T, options=options)
     if cache.max_tokens is not None and cache.max_tokens < T:
         raise CapacityError(
             f"a {policy!r} cache of cache_length={cache.max_tokens} cannot hold a sequence of {T} tokens: "

@@ -16,7 +16,8 @@ import torch
 
 from ..cache.base import CacheSpec, LayerCache
 from ..cache.blocks import check_block
-from ..cache.registry import layer_cache, parse_name, policy_class, with_name_options
+from ..cache.names import CacheName
+from ..cache.registry import layer_cache, policy_class
 
 # Policies whose kept blocks depend on positions alone, so that vLLM's scheduler (which frees
 # blocks) and its attention metadata (which skips them) decide alike from token counts.
@@ -119,9 +120,10 @@ def _parse(raw: object, block: int) -> PluginConfig:
     policy = given.pop("policy", None)
     if not isinstance(policy, str):
         raise ValueError(f"'policy' (a string, one of {', '.join(SUPPORTED)}) is required, got {policy!r}")
-    name, storage = parse_name(policy)
-    cls = policy_class(name)  # an unknown policy: kvcache's message, with the available ones
-    if storage != "full":
+    parsed = CacheName.parse(policy)
+    name = parsed.policy
+    cls = policy_class(parsed)  # an unknown policy: kvcache's message, with the available ones
+    if parsed.storage != "full":
         raise ValueError(f"{policy!r}: vLLM keeps keys and values in its own format; name the policy alone ({name!r})")
     if name not in SUPPORTED:
         raise ValueError(f"policy {name!r} is not supported in vLLM yet (supported: {', '.join(SUPPORTED)}); "
@@ -136,7 +138,7 @@ def _parse(raw: object, block: int) -> PluginConfig:
         raise ValueError(f"block is vLLM's block size here ({block}): set it with vLLM's block_size, or leave block out")
     # "sink(sinks=64)" is {"policy": "sink", "sinks": 64}; merged after the keys above are taken,
     # so that a name sets the policy's options only.
-    given = with_name_options(policy, given)
+    given = dict(parsed.with_options(given).options)
     if name == "sink":
         # vLLM stores keys rotated at their true positions: sinks keep them.
         given.setdefault("positions", "absolute")

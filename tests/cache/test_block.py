@@ -61,8 +61,8 @@ def test_block_one_is_the_token_level_policy(llama, name):
     C = 8
     rows, schedule = _rows(), _schedule()
     options = _options(name, C)
-    plain = kvcache.make_cache(llama, name, cache_length=C, batch_size=2, **options)
-    one = kvcache.make_cache(llama, name, cache_length=C, batch_size=2, block=1, **options)
+    plain = kvcache.make_cache(llama, name, cache_length=C, batch_size=2, options=options)
+    one = kvcache.make_cache(llama, name, cache_length=C, batch_size=2, block=1, options=options)
     got_plain = feed(llama, plain, rows, schedule)
     got_one = feed(llama, one, rows, schedule)
     for a, b in zip(got_plain, got_one):
@@ -77,8 +77,8 @@ def test_kept_positions_are_whole_blocks(llama, name, reserve):
     C = 3 * BLOCK
     if reserve and name in ("window", "sink"):
         pytest.skip("reserve applies to scoring policies")
-    cache = kvcache.make_cache(llama, name, cache_length=C, batch_size=2, block=BLOCK,
-                               **_options(name, C, **({"reserve": reserve} if reserve else {})))
+    cache = kvcache.make_cache(llama, name, cache_length=C, batch_size=2, block=BLOCK, reserve=reserve,
+                               options=_options(name, C))
     recorder = AttentionRecorder(cache)
     before = [[[[] for _ in range(layer.storage.pos.shape[1])] for _ in LENGTHS] for layer in cache.layers]
     evicted = False
@@ -129,7 +129,7 @@ def test_kept_positions_are_whole_blocks(llama, name, reserve):
 def test_block_budget_covering_the_sequence_is_dense(llama, name):
     rows, schedule = _rows(), _schedule()
     C = 6 * BLOCK  # >= every row's length
-    cache = kvcache.make_cache(llama, name, cache_length=C, batch_size=2, block=BLOCK, **_options(name, C))
+    cache = kvcache.make_cache(llama, name, cache_length=C, batch_size=2, block=BLOCK, options=_options(name, C))
     got = feed(llama, cache, rows, schedule)
     for row, logits in zip(rows, got):
         assert max_diff(logits, llama(row[None])[0]) <= ATOL
@@ -145,7 +145,7 @@ def test_block_options_are_checked(llama):
     with pytest.raises(ValueError, match="budget less reserve"):
         kvcache.make_cache(llama, "h2o", cache_length=16, reserve=10, block=8)
     with pytest.raises(ValueError, match="positions='absolute'"):
-        kvcache.make_cache(llama, "sink", cache_length=16, block=4, sinks=4, positions="renumbered")
+        kvcache.make_cache(llama, "sink", cache_length=16, block=4, options={"sinks": 4, "positions": "renumbered"})
     # dense never evicts: any block size is accepted and changes nothing.
     assert kvcache.make_cache(llama, "dense", cache_length=16, block=64).layers[0].spec.block == 64
 

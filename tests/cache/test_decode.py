@@ -33,7 +33,7 @@ def _decode(model, name: str, options: dict, C: int, known: bool):
     """Prefill the ragged batch, then STEPS decode steps, eager (``known``: the step of
     ``KVCache.begin``) or with no host facts: logits (STEPS, B, vocab) and kept positions."""
     ids = random_ids(max(PROMPTS) + STEPS, batch=len(PROMPTS), seed=11)
-    cache = kvcache.make_cache(model, name, cache_length=C, batch_size=len(PROMPTS), **options)
+    cache = kvcache.make_cache(model, name, cache_length=C, batch_size=len(PROMPTS), options=options)
     logits, kept = [], []
     with torch.inference_mode():
         model(ids[:, : max(PROMPTS)], cache, n_tokens=PROMPTS)

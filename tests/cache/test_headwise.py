@@ -23,7 +23,7 @@ def test_budgets_covering_the_sequence_equal_the_forward(llama, policy, options)
     ids = random_ids(30)
     budgets = [[31, 40], [35, 33]]
     with torch.inference_mode():
-        cache = kvcache.make_cache(llama, policy, cache_length=8, head_budgets=budgets, **options)
+        cache = kvcache.make_cache(llama, policy, cache_length=8, head_budgets=budgets, options=options)
         assert all(isinstance(layer, HeadwiseCache) for layer in cache.layers)
         assert max_diff(feed(llama, cache, ids, 12), llama(ids)) <= ATOL
 
@@ -31,7 +31,7 @@ def test_budgets_covering_the_sequence_equal_the_forward(llama, policy, options)
 def test_each_head_holds_at_most_its_budget_and_memory_follows_the_budgets(llama):
     budgets = [[4, 12], [10, 6]]
     with torch.inference_mode():
-        cache = kvcache.make_cache(llama, "h2o", cache_length=8, recent=2, head_budgets=budgets)
+        cache = kvcache.make_cache(llama, "h2o", cache_length=8, head_budgets=budgets, options={"recent": 2})
         logits = feed(llama, cache, random_ids(40), 20)
     assert torch.isfinite(logits).all()
     for layer, layer_budgets in zip(cache.layers, budgets):
@@ -42,9 +42,9 @@ def test_each_head_holds_at_most_its_budget_and_memory_follows_the_budgets(llama
             assert len(set(pos.tolist())) == budget
     # Each layer's budgets add up to 2 x 8, so the bytes equal a uniform cache of 8 per head:
     # unequal heads cost nothing extra, and a bigger head budget really allocates more.
-    uniform = kvcache.make_cache(llama, "h2o", cache_length=8, recent=2)
+    uniform = kvcache.make_cache(llama, "h2o", cache_length=8, options={"recent": 2})
     assert cache.nbytes() == uniform.nbytes()
-    bigger = kvcache.make_cache(llama, "h2o", cache_length=8, recent=2, head_budgets=[[12, 12], [12, 12]])
+    bigger = kvcache.make_cache(llama, "h2o", cache_length=8, head_budgets=[[12, 12], [12, 12]], options={"recent": 2})
     assert cache.nbytes() < bigger.nbytes()
 
 
@@ -59,7 +59,7 @@ def test_adaptive_budgets_keep_the_layer_total(llama):
         assert sum(layer) == 16 * H
         assert min(layer) >= 4  # the floor share
     with torch.inference_mode():
-        cache = kvcache.make_cache(llama, "h2o", cache_length=16, recent=2, head_budgets=budgets)
+        cache = kvcache.make_cache(llama, "h2o", cache_length=16, head_budgets=budgets, options={"recent": 2})
         assert torch.isfinite(feed(llama, cache, ids, 40)).all()
 
 

@@ -54,7 +54,7 @@ def test_unknown_policy_lists_available(llama):
 def test_unknown_option_lists_valid_ones(llama, policy):
     valid = list(DEFAULTS[policy])
     with pytest.raises(ValueError) as err:
-        kvcache.make_cache(llama, policy, cache_length=64, recnet=3)
+        kvcache.make_cache(llama, policy, cache_length=64, options={"recnet": 3})
     message = str(err.value)
     assert "'recnet'" in message and "valid options" in message
     for name in valid:
@@ -89,14 +89,14 @@ BAD_VALUES = [
 @pytest.mark.parametrize("policy,C,options,word", BAD_VALUES, ids=lambda x: str(x))
 def test_bad_option_values_raise(llama, policy, C, options, word):
     with pytest.raises(ValueError, match=word):
-        kvcache.make_cache(llama, policy, cache_length=C, **options)
+        kvcache.make_cache(llama, policy, cache_length=C, options=options)
 
 
 def test_boundary_option_values_are_accepted(llama):
-    kvcache.make_cache(llama, "sink", cache_length=8, sinks=7)
-    kvcache.make_cache(llama, "sink", cache_length=8, sinks=0, positions="absolute")
-    kvcache.make_cache(llama, "h2o", cache_length=8, recent=5, sinks=2, normalize=True, value_norm=True)
-    kvcache.make_cache(llama, "snapkv", cache_length=8, window=7, kernel=1, pooling="max", fallback="tova")
+    kvcache.make_cache(llama, "sink", cache_length=8, options={"sinks": 7})
+    kvcache.make_cache(llama, "sink", cache_length=8, options={"sinks": 0, "positions": "absolute"})
+    kvcache.make_cache(llama, "h2o", cache_length=8, options={"recent": 5, "sinks": 2, "normalize": True, "value_norm": True})
+    kvcache.make_cache(llama, "snapkv", cache_length=8, options={"window": 7, "kernel": 1, "pooling": "max", "fallback": "tova"})
 
 
 @pytest.mark.parametrize("policy,options", [
@@ -106,15 +106,15 @@ def test_boundary_option_values_are_accepted(llama):
 ], ids=str)
 def test_non_integer_counts_are_rejected_by_make_cache(llama, policy, options):
     with pytest.raises((ValueError, TypeError)):
-        kvcache.make_cache(llama, policy, cache_length=8, **options)
+        kvcache.make_cache(llama, policy, cache_length=8, options=options)
 
 
 def test_fractional_cache_length(llama):
-    cache = kvcache.make_cache(llama, "h2o", cache_length=0.5, prompt_length=40, recent=4)
+    cache = kvcache.make_cache(llama, "h2o", cache_length=0.5, prompt_length=40, options={"recent": 4})
     assert cache.cache_length == 20
     assert all(layer.spec.cache_length == 20 for layer in cache.layers)
     with pytest.raises(ValueError, match="prompt_length"):
-        kvcache.make_cache(llama, "h2o", cache_length=0.5, recent=4)
+        kvcache.make_cache(llama, "h2o", cache_length=0.5, options={"recent": 4})
     # 1.0 is the whole prompt (a float is always a fraction; an int a token count).
     assert kvcache.make_cache(llama, "window", cache_length=1.0, prompt_length=40).cache_length == 40
     for bad in (1.5, 0.0, -0.25):
@@ -166,7 +166,7 @@ def test_pyramid_layers_are_allocated_at_their_own_size(four_layers):
                                             ("sink", dict(sinks=2))])
 def test_explicit_budget_list(four_layers, policy, options):
     budgets = [30, 20, 12, 8]
-    cache = kvcache.make_cache(four_layers, policy, cache_length=16, allocation=budgets, **options)
+    cache = kvcache.make_cache(four_layers, policy, cache_length=16, allocation=budgets, options=options)
     assert [layer.storage.k.shape[2] - 1 for layer in cache.layers] == budgets
     with torch.inference_mode():
         logits = four_layers(ids_for(50, seed=3), cache)
@@ -185,32 +185,6 @@ def test_bad_allocation_raises(four_layers, allocation):
 # --- options in a cache's name: policy(option=value,...)[:storage] --------------------------------
 
 
-@pytest.mark.parametrize("name, policy, storage, options", [
-    ("h2o", "h2o", "full", {}),
-    ("h2o:int4", "h2o", "int4", {}),
-    ("snapkv(window=64,kernel=5,fallback=tova)", "snapkv", "full", {"window": 64, "kernel": 5, "fallback": "tova"}),
-    ("h2o( recent=0 , normalize=True ):int8", "h2o", "int8", {"recent": 0, "normalize": True}),
-    ("expected_attention(epsilon=0.5,covariance=false)", "expected_attention", "full",
-     {"epsilon": 0.5, "covariance": False}),
-    ("sink()", "sink", "full", {}),
-])
-def test_a_name_carries_options_and_a_storage(name, policy, storage, options):
-    from kvcache.cache.registry import name_options, parse_name
-
-    assert parse_name(name) == (policy, storage)
-    found = name_options(name)
-    assert found == options and all(type(found[k]) is type(v) for k, v in options.items())
-
-
-def test_a_name_is_written_one_way():
-    from kvcache.cache.registry import canonical_name
-
-    assert canonical_name("snapkv( window=64 ,kernel=5)") == canonical_name("snapkv(kernel=5,window=64)") \
-        == "snapkv(kernel=5,window=64)"
-    assert canonical_name("h2o(normalize=True,recent=0):int4") == "h2o(normalize=true,recent=0):int4"
-    assert canonical_name("h2o:int4") == "h2o:int4"
-
-
 def _positions(cache) -> list[torch.Tensor]:
     return [layer.storage.pos.clone() for layer in cache.layers]
 
@@ -220,13 +194,13 @@ def test_options_in_the_name_are_the_keyword_options(llama):
     caches = {}
     for key, name, options in [("name", "snapkv(window=2,kernel=3)", {}), ("keywords", "snapkv", {"window": 2, "kernel": 3}),
                                ("default", "snapkv", {})]:
-        caches[key] = kvcache.make_cache(llama, name, cache_length=16, **options)
+        caches[key] = kvcache.make_cache(llama, name, cache_length=16, options=options)
         llama(ids, caches[key], last_only=True)
     assert caches["name"].layers[0].options == caches["keywords"].layers[0].options
     assert caches["name"].layers[0].options.window == 2 and caches["default"].layers[0].options.window != 2
     assert all(torch.equal(a, b) for a, b in zip(_positions(caches["name"]), _positions(caches["keywords"])))
     assert not all(torch.equal(a, b) for a, b in zip(_positions(caches["name"]), _positions(caches["default"])))
-    assert caches["name"].policy == "snapkv(window=2,kernel=3)"
+    assert caches["name"].policy == "snapkv(kernel=3,window=2)"  # written one way (CacheName)
     quantized = kvcache.make_cache(llama, "h2o(recent=4):token8", cache_length=16)
     assert quantized.layers[0].options.recent == 4 and quantized.layers[0].spec.storage == "token8"
 
@@ -235,7 +209,7 @@ def test_an_option_set_twice_or_misnamed_in_a_name_is_refused(llama):
     from kvcache.cache.registry import check_names
 
     with pytest.raises(ValueError, match="sets window in its name.*set each option once"):
-        kvcache.make_cache(llama, "snapkv(window=4)", cache_length=16, window=8)
+        kvcache.make_cache(llama, "snapkv(window=4)", cache_length=16, options={"window": 8})
     for name, message in [("snapkv(windw=4)", "has no option 'windw'"), ("snapkv(window=4.5)", "must be int"),
                           ("snapkv(window)", "is not option=value"), ("snapkv(window=4", "is not a cache name"),
                           ("snapkv(window=1,window=2)", "given twice"), ("snapkv(pooling=mean)", "must be one of")]:

@@ -53,10 +53,10 @@ def test_dense_caches_store_narrow_positions_evicting_ones_int32(llama, storage)
         if policy == "dense":
             continue
         cache = kvcache.make_cache(llama, f"{policy}:{storage}", cache_length=64,
-                                   **kvcache.cache.budget_options(policy, 64))
+                                   options=kvcache.cache.budget_options(policy, 64))
         assert {layer.storage.pos.dtype for layer in _layers(cache)} == {torch.int32}, policy
     # Per-head budgets: each head's storage too.
-    cache = kvcache.make_cache(llama, f"h2o:{storage}", cache_length=64, head_budgets=[[40, 88]] * 2, recent=8)
+    cache = kvcache.make_cache(llama, f"h2o:{storage}", cache_length=64, head_budgets=[[40, 88]] * 2, options={"recent": 8})
     assert {layer.storage.pos.dtype for layer in _layers(cache)} == {torch.int32}
 
 
@@ -152,7 +152,7 @@ def int64_positions(monkeypatch):
 def _cache(model, name: str):
     policy, _, storage = name.partition(":")
     options = {} if policy == "dense" else kvcache.cache.budget_options(policy, C)
-    return kvcache.make_cache(model, name, cache_length=64 if policy == "dense" else C, batch_size=2, **options)
+    return kvcache.make_cache(model, name, cache_length=64 if policy == "dense" else C, batch_size=2, options=options)
 
 
 def _rows():

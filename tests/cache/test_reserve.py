@@ -31,8 +31,8 @@ def test_compress_once_then_grow(llama, policy, options):
     ids = ids_for(30, batch=2, seed=11, vocab=VOCAB)
     rows = [ids[0], ids[1, :29]]
     with torch.inference_mode():
-        grow = kvcache.make_cache(llama, policy, cache_length=kept_n + R, batch_size=2, reserve=R, **options)
-        fixed = kvcache.make_cache(llama, policy, cache_length=kept_n, batch_size=2, **options)
+        grow = kvcache.make_cache(llama, policy, cache_length=kept_n + R, batch_size=2, reserve=R, options=options)
+        fixed = kvcache.make_cache(llama, policy, cache_length=kept_n, batch_size=2, options=options)
         # A ragged prompt (20 and 19 tokens): each row is compressed on its own.
         a = feed(llama, grow, rows, [[20, 19]])
         b = feed(llama, fixed, rows, [[20, 19]])
@@ -75,7 +75,7 @@ def test_appending_policies_skip_the_weights_until_they_evict(llama, monkeypatch
         for policy, options, expect_weights in [("tova", {}, False), ("snapkv", dict(window=2), False),
                                                 ("h2o", dict(recent=2), True)]:
             calls.clear()
-            cache = kvcache.make_cache(llama, policy, cache_length=10, **options)
+            cache = kvcache.make_cache(llama, policy, cache_length=10, options=options)
             llama(ids[:, :8], cache)
             llama(ids[:, 8:9], cache)
             assert bool(calls) == expect_weights, policy
@@ -93,14 +93,14 @@ def test_reserve_is_validated(llama):
     for policy, options in [("tova", {}), ("h2o", {}), ("snapkv", {})]:
         # Reported as what it is, not as the policy's own window or recent tokens not fitting.
         with pytest.raises(ValueError, match=r"reserve must lie in \[0, cache_length\)"):
-            kvcache.make_cache(llama, policy, cache_length=8, reserve=8, **options)
+            kvcache.make_cache(llama, policy, cache_length=8, reserve=8, options=options)
     for bad in (-1, True, 2.0):
         with pytest.raises(ValueError, match="reserve must be a non-negative int"):
             kvcache.make_cache(llama, "tova", cache_length=8, reserve=bad)
     with pytest.raises(ValueError, match=r"must be smaller than cache_length \(8\) - reserve \(4\)"):
-        kvcache.make_cache(llama, "h2o", cache_length=8, reserve=4, recent=4)
+        kvcache.make_cache(llama, "h2o", cache_length=8, reserve=4, options={"recent": 4})
     with pytest.raises(ValueError, match=r"must be smaller than cache_length \(8\) - reserve \(5\)"):
-        kvcache.make_cache(llama, "snapkv", cache_length=8, reserve=5, window=3)
+        kvcache.make_cache(llama, "snapkv", cache_length=8, reserve=5, options={"window": 3})
     # Per-layer budgets: every layer must be larger than the reserve.
     with pytest.raises(ValueError, match="reserve must lie in"):
         kvcache.make_cache(llama, "tova", cache_length=8, allocation=[8, 3], reserve=4)

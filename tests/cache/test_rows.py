@@ -24,7 +24,7 @@ ROWS = [("dense", 64, 20), ("snapkv", 12, 17), ("sink", 10, 20), ("tova:int8", 1
 def make(model, policy: str, cache_length: int, batch_size: int = 1):
     name = policy.split(":")[0]
     options = {} if name == "dense" else kvcache.cache.budget_options(name, cache_length)
-    return kvcache.make_cache(model, policy, cache_length=cache_length, batch_size=batch_size, **options)
+    return kvcache.make_cache(model, policy, cache_length=cache_length, batch_size=batch_size, options=options)
 
 
 def prefilled(model, rows=ROWS):

@@ -22,11 +22,11 @@ AFTER = [[5, 2], [1, 1], [1, 1], [1, 1], [4, 6], [1, 1]]
 CASES = [(p, s) for p in kvcache.policies() for s in kvcache.storages()]
 
 
-def _cache(model, name: str, storage: str, batch_size: int = 2, cache_length: int = C, **extra):
+def _cache(model, name: str, storage: str, batch_size: int = 2, cache_length: int = C, reserve: int = 0, **extra):
     options = {} if name == "dense" else kvcache.cache.budget_options(name, cache_length)
     length = 64 if name == "dense" else cache_length
-    return kvcache.make_cache(model, f"{name}:{storage}", cache_length=length, batch_size=batch_size,
-                              **options, **extra)
+    return kvcache.make_cache(model, f"{name}:{storage}", cache_length=length, batch_size=batch_size, reserve=reserve,
+                              options={**options, **extra})
 
 
 def _rows(n_rows: int, total: int, seed: int) -> list[torch.Tensor]:
@@ -147,7 +147,7 @@ def test_mismatched_restore_is_rejected_before_any_change(llama, kind):
         "cache_length": lambda: _cache(llama, "h2o", "full", cache_length=10),
         "storage": lambda: _cache(llama, "h2o", "int8"),
         "policy": lambda: _cache(llama, "tova", "full"),
-        "options": lambda: kvcache.make_cache(llama, "h2o", cache_length=C, batch_size=2, recent=2),
+        "options": lambda: kvcache.make_cache(llama, "h2o", cache_length=C, batch_size=2, options={"recent": 2}),
         "reserve": lambda: _cache(llama, "h2o", "full", reserve=2),
         "rows": lambda: _cache(llama, "h2o", "full", batch_size=3),
     }[kind]
@@ -177,7 +177,7 @@ def test_headwise_budgets_snapshot(llama):
     budgets = [[3, 9], [8, 4]]
     rows = _rows(2, 40, seed=9)
     done = [sum(n[b] for n in BEFORE) for b in range(2)]
-    cache = kvcache.make_cache(llama, "h2o", cache_length=C, batch_size=2, head_budgets=budgets, recent=2)
+    cache = kvcache.make_cache(llama, "h2o", cache_length=C, batch_size=2, head_budgets=budgets, options={"recent": 2})
     with torch.inference_mode():
         feed(llama, cache, rows, BEFORE)
     snap = cache.snapshot()
@@ -187,7 +187,7 @@ def test_headwise_budgets_snapshot(llama):
     twin.restore(snap)
     b = _continue(llama, twin, rows, done)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
-    other = kvcache.make_cache(llama, "h2o", cache_length=C, batch_size=2, head_budgets=[[4, 8], [8, 4]], recent=2)
+    other = kvcache.make_cache(llama, "h2o", cache_length=C, batch_size=2, head_budgets=[[4, 8], [8, 4]], options={"recent": 2})
     with pytest.raises(ValueError, match="head_budgets"):
         other.restore(snap)
 

@@ -47,10 +47,10 @@ def test_a_cache_made_for_other_soft_caps_is_refused():
 def test_policies_that_rotate_need_full_half_split_rotary(policy, options):
     model = build("phi3_partial")
     with pytest.raises(kvcache.hf.UnsupportedModelError, match="covers 8 of 16 head dimensions"):
-        kvcache.hf.make_cache(model, policy, cache_length=8, sinks=2, **options)
+        kvcache.hf.make_cache(model, policy, cache_length=8, options={"sinks": 2, **options})
     assert model.config._attn_implementation == "eager"
     # Policies that never rotate work on it.
-    kvcache.hf.make_cache(model, "sink", cache_length=8, sinks=2, positions="absolute")
+    kvcache.hf.make_cache(model, "sink", cache_length=8, options={"sinks": 2, "positions": "absolute"})
 
 
 def test_call_without_a_kvcache_cache():
@@ -139,7 +139,7 @@ def test_storage_and_options_are_kvcaches():
         kvcache.hf.make_cache(model, "h2o:int3", cache_length=8)
     with pytest.raises(ValueError, match="unknown policy"):
         kvcache.hf.make_cache(model, "lru", cache_length=8)
-    cache = kvcache.hf.make_cache(model, "h2o:int4", cache_length=8, recent=2)
+    cache = kvcache.hf.make_cache(model, "h2o:int4", cache_length=8, options={"recent": 2})
     assert cache.policy == "h2o:int4" and cache.nbytes() == cache.kv.nbytes() > 0
     greedy(model, random_ids(12, seed=34), 4, cache)
     assert cache.get_seq_length() == 15

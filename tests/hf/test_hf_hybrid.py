@@ -31,7 +31,7 @@ def test_policy_on_the_global_layers_equals_kvcache_model(models, policy):
     hf, native = models
     C = sum(SCHEDULE) if policy == "dense" else BUDGET
     ours = make(hf, policy, C)
-    theirs = kvcache.make_cache(native, policy, cache_length=C, **kvcache.cache.budget_options(policy, C))
+    theirs = kvcache.make_cache(native, policy, cache_length=C, options=kvcache.cache.budget_options(policy, C))
     sliding = [layer.sliding for layer in native.config.layers]
     assert [layer.spec.cache_length for layer in ours.kv.layers] == [WINDOW if s else C for s in sliding]
     feed_both(hf, native, ours, theirs, random_ids(sum(SCHEDULE), seed=22), SCHEDULE, policy)
@@ -41,6 +41,6 @@ def test_each_kind_of_layer_rotates_with_its_own_frequencies(models):
     """Gemma 3's rotary module keeps one set of frequencies per kind of layer: a policy that
     rotates (renumbered sinks) gets each layer's own."""
     hf, native = models
-    cache = kvcache.hf.make_cache(hf, "sink", cache_length=BUDGET, sinks=2, positions="renumbered")
+    cache = kvcache.hf.make_cache(hf, "sink", cache_length=BUDGET, options={"sinks": 2, "positions": "renumbered"})
     for i, layer in enumerate(cache.kv.layers):
         assert torch.allclose(layer.spec.inv_freq, native.rotary(i)), f"layer {i}"

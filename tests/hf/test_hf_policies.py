@@ -50,7 +50,7 @@ def test_policy_equals_kvcache_model(models, policy):
     hf, native = models
     C = _budget(policy)
     ours = make(hf, policy, C)
-    theirs = kvcache.make_cache(native, policy, cache_length=C, **_options(policy, C))
+    theirs = kvcache.make_cache(native, policy, cache_length=C, options=_options(policy, C))
     start = feed_both(hf, native, ours, theirs, random_ids(sum(SCHEDULE), seed=20), SCHEDULE, policy)
     assert ours.get_seq_length() == start == int(ours.lengths[0])
 
@@ -76,8 +76,7 @@ def test_ragged_batch_equals_kvcache_batch_and_rows_alone(models, policy):
     got, _ = greedy(hf, ids, new, cache, attention_mask=mask)
     got = got[:, ids.shape[1]:].tolist()
     want = kvcache.generate(native, rows, max_new_tokens=new, stop_tokens=(), prefill_chunk=None,
-                            cache=kvcache.make_cache(native, policy, cache_length=C, batch_size=2,
-                                                     **_options(policy, C)))
+                            cache=kvcache.make_cache(native, policy, cache_length=C, batch_size=2, options=_options(policy, C)))
     assert got == want
     for b, row in enumerate(rows):
         alone, _ = greedy(hf, torch.tensor([row], device=DEVICE), new, make(hf, policy, C))

@@ -177,7 +177,7 @@ def test_nothing_decodes_a_whole_cache(llama, monkeypatch, policy):
     monkeypatch.setattr(packed, "as_float", recorded)
     monkeypatch.setattr(blocked, "as_float", recorded)
     cache = kvcache.make_cache(llama, policy, cache_length=180 if policy.startswith("dense") else 160,
-                               **({"recent": 8} if "h2o" in policy else {}))
+                               options={"recent": 8} if "h2o" in policy else None)
     ids = torch.randint(3, 128, (1, 180), generator=torch.Generator().manual_seed(5)).to(DEVICE)
     with torch.inference_mode():
         llama(ids[:, :130], cache)

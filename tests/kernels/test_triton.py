@@ -94,7 +94,7 @@ def test_h2o_decode_steps_through_the_kernel(llama, monkeypatch):
     ids = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(6)).to(DEVICE)
 
     def run():
-        cache = kvcache.make_cache(llama, "h2o:int4/4", cache_length=12, batch_size=2, recent=3)
+        cache = kvcache.make_cache(llama, "h2o:int4/4", cache_length=12, batch_size=2, options={"recent": 3})
         with torch.inference_mode():
             logits = [llama(ids[:, :16], cache)] + [llama(ids[:, t : t + 1], cache) for t in range(16, 30)]
         return torch.cat(logits, 1), [layer.storage.pos.clone() for layer in cache.layers]

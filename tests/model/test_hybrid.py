@@ -163,7 +163,7 @@ def test_captured_decode_step_matches_eager(model_factory, policy, options):
     torch._dynamo.reset()
 
     def run(capture: bool):
-        cache = kvcache.make_cache(model, policy, cache_length=C, batch_size=2, **options)
+        cache = kvcache.make_cache(model, policy, cache_length=C, batch_size=2, options=options)
         with torch.inference_mode():
             model(ids[:, :12], cache, n_tokens=[12, 9])
             step = CompiledDecode(model, cache, backend="aot_eager") if capture else (lambda t: model(t, cache)[:, -1])

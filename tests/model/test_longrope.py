@@ -97,5 +97,5 @@ def test_each_ragged_row_switches_at_its_own_length(model_factory):
 def test_policies_that_re_rotate_stored_keys_are_refused(model_factory):
     model = model_factory(FAMILY)
     with pytest.raises(ValueError, match="rotary frequencies"):
-        kvcache.make_cache(model, "sink", cache_length=16, sinks=2, positions="renumbered")
+        kvcache.make_cache(model, "sink", cache_length=16, options={"sinks": 2, "positions": "renumbered"})
     kvcache.make_cache(model, "h2o", cache_length=16)  # policies that never rotate work on it

@@ -88,8 +88,9 @@ def test_renumbered_sinks_decode_as_the_chunked_path(model_factory, family):
     model = model_factory(family)
     ids = random_ids(T, seed=4)
     with torch.inference_mode():
-        one = feed(model, ids, kvcache.make_cache(model, "sink", cache_length=12, sinks=2, positions="renumbered"), 1)
-        seven = feed(model, ids, kvcache.make_cache(model, "sink", cache_length=12, sinks=2, positions="renumbered"), 7)
+        renumbered = {"sinks": 2, "positions": "renumbered"}
+        one = feed(model, ids, kvcache.make_cache(model, "sink", cache_length=12, options=renumbered), 1)
+        seven = feed(model, ids, kvcache.make_cache(model, "sink", cache_length=12, options=renumbered), 7)
     assert max_diff(one, seven) <= ATOL
 
 
@@ -154,8 +155,9 @@ def test_per_token_storages_attend_their_codes_with_the_rule(model_factory, fami
     C = T if policy.startswith("dense") else 16
     with torch.inference_mode():
         full = model(ids)
-        one, seven = (feed(model, ids, kvcache.make_cache(model, policy, cache_length=C, batch_size=2, **(
-            {"recent": 4} if "h2o" in policy else {})), n) for n in (1, 7))
+        options = {"recent": 4} if "h2o" in policy else None
+        one, seven = (feed(model, ids, kvcache.make_cache(model, policy, cache_length=C, batch_size=2, options=options), n)
+                      for n in (1, 7))
     assert kvcache.make_cache(model, policy, cache_length=C).spec.storage != "full"
     if policy.startswith("dense"):
         assert max(max_diff(one, full), max_diff(seven, full)) <= 0.05

@@ -48,7 +48,7 @@ def _options(policy: str) -> dict:
 
 def _cache(model, policy: str, batch: int, storage: str = "full"):
     length = 400 if policy == "dense" else BUDGET
-    return kvcache.make_cache(model, f"{policy}:{storage}", cache_length=length, batch_size=batch, **_options(policy))
+    return kvcache.make_cache(model, f"{policy}:{storage}", cache_length=length, batch_size=batch, options=_options(policy))
 
 
 def _prefill(model, policy, prompts, store=None, aligned=False, storage="full"):
@@ -222,7 +222,7 @@ def test_max_bytes_below_one_entry_warns(model):
 def test_a_store_serves_one_cache_configuration(model):
     store = PrefixStore(model)
     kvcache.generate(model, PROMPTS[0], max_new_tokens=2, prefix_store=store, prefill_chunk=CHUNK)
-    cache = kvcache.make_cache(model, "h2o", cache_length=BUDGET, **_options("h2o"))
+    cache = kvcache.make_cache(model, "h2o", cache_length=BUDGET, options=_options("h2o"))
     with torch.inference_mode():
         model(torch.tensor([PROMPTS[1][:40]], device=DEVICE), cache)
     before = cache.snapshot().tensors()

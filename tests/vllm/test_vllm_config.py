@@ -64,8 +64,7 @@ def test_a_scoring_policy_keeps_as_many_blocks_as_the_rule(llama, raw):
     every head and after every call, as many blocks as the rule keeps, all full but the newest."""
     config = parse(raw, BLOCK)
     rule = BlockRule(config)
-    cache = kvcache.make_cache(llama, config.policy, cache_length=config.cache_length, block=BLOCK,
-                               **dict(config.options))
+    cache = kvcache.make_cache(llama, config.policy, cache_length=config.cache_length, block=BLOCK, options=dict(config.options))
     ids = torch.randint(3, 100, (1, 300), generator=torch.Generator().manual_seed(0)).to(llama.embed_tokens.weight.device)
     prompt = 130
     llama(ids[:, :prompt], cache)
@@ -94,7 +93,7 @@ def test_rule_keeps_the_blocks_kvcache_keeps(llama, raw):
     config = parse(raw, BLOCK)
     rule = BlockRule(config)
     options = dict(config.options)
-    cache = kvcache.make_cache(llama, config.policy, cache_length=config.cache_length, block=BLOCK, **options)
+    cache = kvcache.make_cache(llama, config.policy, cache_length=config.cache_length, block=BLOCK, options=options)
     ids = torch.randint(3, 100, (1, 300), generator=torch.Generator().manual_seed(0)).to(llama.embed_tokens.weight.device)
     for n in range(1, 300):
         llama(ids[:, n - 1 : n], cache)

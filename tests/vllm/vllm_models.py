@@ -112,7 +112,7 @@ def kvcache_tokens(path: Path, config: dict | None, prompt_ids: list[list[int]],
                 if config["policy"] == "sink":
                     options.setdefault("positions", "absolute")
                 cache = kvcache.make_cache(model, config["policy"], cache_length=config["cache_length"],
-                                           block=BLOCK, **options)
+                                           block=BLOCK, options=options)
             start = 0
             for end in prompt_calls(config, len(ids), chunks[i] if chunks else None):
                 logits = model(torch.tensor([ids[start:end]]), cache)

@@ -31,7 +31,7 @@ def test_a_prompt_keeps_the_two_stages(llama, first_stage):
     with torch.inference_mode():
         dense = kvcache.make_cache(llama, "dense", cache_length=T)
         llama(ids, dense)
-        cache = kvcache.make_cache(llama, "critical", cache_length=C, base="knorm", first_stage=first_stage)
+        cache = kvcache.make_cache(llama, "critical", cache_length=C, options={"base": "knorm", "first_stage": first_stage})
         llama(ids, cache)
     for i, (layer, d) in enumerate(zip(cache.layers, dense.layers)):
         k, v = d.storage.k[:, :, :T].float(), d.storage.v[:, :, :T].float()

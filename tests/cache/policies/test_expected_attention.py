@@ -60,8 +60,9 @@ def reference_keep(model, ids: torch.Tensor, C: int, sinks: int, future: int, co
 def test_a_prompt_keeps_what_future_queries_are_expected_to_attend(llama, covariance, value_norm, sinks):
     T, C, future = 40, 14, 16
     ids = ids_for(T, seed=21, vocab=VOCAB)
-    cache = kvcache.make_cache(llama, "expected_attention", cache_length=C, future=future, sinks=sinks,
-                               covariance=covariance, value_norm=value_norm)
+    cache = kvcache.make_cache(llama, "expected_attention", cache_length=C, options={"future": future, "sinks": sinks,
+                                                                                  "covariance": covariance,
+                                                                                  "value_norm": value_norm})
     with torch.inference_mode():
         llama(ids, cache)
     want = reference_keep(llama, ids, C, sinks, future, covariance, value_norm)
@@ -74,9 +75,9 @@ def test_statistics_do_not_depend_on_the_chunking(llama):
     T, C = 40, 30
     ids = ids_for(T, seed=22, vocab=VOCAB)
     with torch.inference_mode():
-        whole = kvcache.make_cache(llama, "expected_attention", cache_length=C, future=8)
+        whole = kvcache.make_cache(llama, "expected_attention", cache_length=C, options={"future": 8})
         llama(ids, whole)
-        chunked = kvcache.make_cache(llama, "expected_attention", cache_length=C, future=8)
+        chunked = kvcache.make_cache(llama, "expected_attention", cache_length=C, options={"future": 8})
         for lo, hi in ((0, 10), (10, 25), (25, 40)):
             llama(ids[:, lo:hi], chunked)
     assert kept(chunked.layers[0], 0) == kept(whole.layers[0], 0)
@@ -106,8 +107,8 @@ def test_budget_covering_the_sequence_equals_the_forward(llama):
 
 def test_bad_options(llama):
     with pytest.raises(ValueError, match="future must be positive"):
-        kvcache.make_cache(llama, "expected_attention", cache_length=8, future=0)
+        kvcache.make_cache(llama, "expected_attention", cache_length=8, options={"future": 0})
     with pytest.raises(ValueError, match=r"recent \+ sinks \(8\) must be smaller than cache_length \(8\)"):
-        kvcache.make_cache(llama, "expected_attention", cache_length=8, sinks=4, recent=4)
+        kvcache.make_cache(llama, "expected_attention", cache_length=8, options={"sinks": 4, "recent": 4})
     with pytest.raises(ValueError, match="option 'covariance' of policy 'expected_attention' must be bool"):
-        kvcache.make_cache(llama, "expected_attention", cache_length=8, covariance=1)
+        kvcache.make_cache(llama, "expected_attention", cache_length=8, options={"covariance": 1})

@@ -37,7 +37,7 @@ def _protected(L, recent, sinks):
 def test_h2o_keeps_recent_and_sinks_and_heads_differ(tiny, normalize):
     C, recent, sinks = 8, 2, 1
     ids = ids_for(60, seed=9, vocab=tiny.config.vocab_size)
-    cache = kvcache.make_cache(tiny, "h2o", cache_length=C, recent=recent, sinks=sinks, normalize=normalize)
+    cache = kvcache.make_cache(tiny, "h2o", cache_length=C, options={"recent": recent, "sinks": sinks, "normalize": normalize})
     schedule = [20] + [1] * 25 + [7] + [1] * 8
     done = 0
     with torch.inference_mode():
@@ -104,7 +104,7 @@ def test_h2o_streams_100k_tokens_in_flat_memory(tiny):
     total, budget = 100_000, 64
     model = tiny
     ids = ids_for(total, seed=6, vocab=model.config.vocab_size)
-    cache = kvcache.make_cache(model, "h2o", cache_length=budget, recent=16, sinks=4)
+    cache = kvcache.make_cache(model, "h2o", cache_length=budget, options={"recent": 16, "sinks": 4})
     nbytes = cache.nbytes()
 
     def check(cache, fed):

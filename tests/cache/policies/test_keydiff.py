@@ -28,7 +28,7 @@ def test_a_prompt_keeps_the_keys_furthest_from_the_anchor(llama, recent, sinks):
     ids = torch.stack([3 + torch.randperm(VOCAB - 3, generator=g).to(DEVICE)[:T] for _ in range(2)])
     with torch.inference_mode():
         keys = dense_keys(llama, ids)
-        cache = kvcache.make_cache(llama, "keydiff", cache_length=C, batch_size=2, recent=recent, sinks=sinks)
+        cache = kvcache.make_cache(llama, "keydiff", cache_length=C, batch_size=2, options={"recent": recent, "sinks": sinks})
         llama(ids, cache)
     protected = set(range(T - recent, T)) | set(range(sinks))
     for layer, k in zip(cache.layers, keys):

@@ -41,7 +41,7 @@ def test_a_prompt_keeps_the_smallest_key_norms(llama, recent, sinks):
     ids = distinct_ids(T, batch=2, seed=11)
     with torch.inference_mode():
         norms = dense_key_norms(llama, ids)
-        cache = kvcache.make_cache(llama, "knorm", cache_length=C, batch_size=2, recent=recent, sinks=sinks)
+        cache = kvcache.make_cache(llama, "knorm", cache_length=C, batch_size=2, options={"recent": recent, "sinks": sinks})
         llama(ids, cache)
     protected = set(range(T - recent, T)) | set(range(sinks))
     for layer, layer_norms in zip(cache.layers, norms):
@@ -74,4 +74,4 @@ def test_budget_covering_the_sequence_equals_the_forward(llama):
 
 def test_protected_tokens_must_leave_room(llama):
     with pytest.raises(ValueError, match=r"recent \+ sinks \(8\) must be smaller than cache_length \(8\)"):
-        kvcache.make_cache(llama, "knorm", cache_length=8, recent=6, sinks=2)
+        kvcache.make_cache(llama, "knorm", cache_length=8, options={"recent": 6, "sinks": 2})

@@ -65,7 +65,7 @@ def test_kept_keys_and_scores_match_explicit_reconstruction_attention(llama, sin
     call = torch.cat((ctx, torch.tensor([REPEAT], device=ctx.device), ctx), 1)
     expected = reference_scores(llama, call, n)
     with torch.inference_mode():
-        cache = kvcache.make_cache(llama, "kvzip", cache_length=C, reserve=reserve, sinks=sinks)
+        cache = kvcache.make_cache(llama, "kvzip", cache_length=C, reserve=reserve, options={"sinks": sinks})
         logits = kvzip.prefill(llama, cache, ctx, repeat=REPEAT)
         # The context part is attended as any prefill attends it.
         assert max_diff(logits, llama(ctx)[:, -1]) <= EXACT_ATOL[torch.float32]
@@ -107,10 +107,10 @@ def test_a_chunked_context_keeps_the_best_over_every_pass(llama):
     n, C, chunk = 40, 12, 16
     ctx = context_ids(n, seed=5)
     with torch.inference_mode():
-        cache = kvcache.make_cache(llama, "kvzip", cache_length=C, sinks=1)
+        cache = kvcache.make_cache(llama, "kvzip", cache_length=C, options={"sinks": 1})
         kvzip.prefill(llama, cache, ctx, repeat=REPEAT, chunk=chunk)
         # The first chunk alone overflows too: its pass is the single-pass reference's.
-        first = kvcache.make_cache(llama, "kvzip", cache_length=C, sinks=1)
+        first = kvcache.make_cache(llama, "kvzip", cache_length=C, options={"sinks": 1})
         kvzip.prefill(llama, first, ctx[:, :chunk], repeat=REPEAT)
     call = torch.cat((ctx[:, :chunk], torch.tensor([REPEAT], device=ctx.device), ctx[:, :chunk]), 1)
     ref = reference_scores(llama, call, chunk)
@@ -131,7 +131,7 @@ def test_tokens_after_the_context_grow_into_the_reserve_then_the_unscored_go_fir
     n, C, R = 30, 10, 4
     ctx, more = context_ids(n), context_ids(8, seed=9)
     with torch.inference_mode():
-        cache = kvcache.make_cache(llama, "kvzip", cache_length=C, reserve=R, sinks=1)
+        cache = kvcache.make_cache(llama, "kvzip", cache_length=C, reserve=R, options={"sinks": 1})
         kvzip.prefill(llama, cache, ctx, repeat=REPEAT)
         chosen = [held(layer) for layer in cache.layers]
         weakest = [[int(layer.storage.pos[0, h, int(layer.stats["score"][0, h, 1 : C - R].argmin()) + 1])
@@ -153,7 +153,7 @@ def test_tokens_after_the_context_grow_into_the_reserve_then_the_unscored_go_fir
 def test_plain_generate_keeps_a_window_and_sinks(llama):
     ids = context_ids(20)
     with torch.inference_mode():
-        cache = kvcache.make_cache(llama, "kvzip", cache_length=8, sinks=2)
+        cache = kvcache.make_cache(llama, "kvzip", cache_length=8, options={"sinks": 2})
         with pytest.warns(kvcache.errors.KVCacheWarning, match="outside its reconstruction pass"):
             llama(ids, cache)
     for layer in cache.layers:
@@ -180,7 +180,7 @@ def test_the_pass_is_refused_where_it_cannot_run(llama):
     # A refused call left the cache as it was.
     assert cache.lengths.tolist() == [0, 0]
     with pytest.raises(ValueError, match="sinks"):
-        kvcache.make_cache(llama, "kvzip", cache_length=8, sinks=-1)
+        kvcache.make_cache(llama, "kvzip", cache_length=8, options={"sinks": -1})
 
 
 def test_listed_by_the_registry_and_the_command_line(capsys):
@@ -197,7 +197,7 @@ def test_the_pass_runs_over_quantized_storages_and_whole_blocks(llama, policy, b
     n, C, R = 40, 16, 4
     ctx = context_ids(n, seed=11)
     with torch.inference_mode():
-        cache = kvcache.make_cache(llama, policy, cache_length=C, reserve=R, block=block, sinks=0)
+        cache = kvcache.make_cache(llama, policy, cache_length=C, reserve=R, block=block, options={"sinks": 0})
         kvzip.prefill(llama, cache, ctx, repeat=REPEAT, chunk=24)
     assert cache.lengths.tolist() == [n]
     for layer in cache.layers:
@@ -242,8 +242,8 @@ def test_one_scored_pass_fills_caches_of_every_budget_as_their_own_passes(llama,
         logits = kvzip.score(llama, scored, ctx, repeat=REPEAT)
         for C, reserve, sinks in [(8, 0, 0), (16, 4, 2), (29, 0, 4)]:
             def make():
-                return kvcache.make_cache(llama, "kvzip", cache_length=C, reserve=reserve, sinks=sinks, batch_size=2,
-                                          block=block)
+                return kvcache.make_cache(llama, "kvzip", cache_length=C, reserve=reserve, batch_size=2,
+                                          block=block, options={"sinks": sinks})
 
             own, taken = make(), make()
             assert torch.equal(kvzip.prefill(llama, own, ctx, repeat=REPEAT, chunk=None), logits)

@@ -41,7 +41,7 @@ def test_a_prompt_keeps_sinks_tail_and_the_top_ranks(llama):
     with torch.inference_mode():
         dense = kvcache.make_cache(llama, "dense", cache_length=T)
         llama(ids, dense)
-        cache = kvcache.make_cache(llama, "lagkv", cache_length=C, sinks=sinks, lag=lag)
+        cache = kvcache.make_cache(llama, "lagkv", cache_length=C, options={"sinks": sinks, "lag": lag})
         llama(ids, cache)
     end = sinks + ((T - sinks) // lag) * lag
     tail = set(range(end - lag, T))

@@ -26,7 +26,7 @@ def test_weight_one_is_h2o(tiny, storage, scale):
     (either scale is monotone in the score)."""
     ids = ids_for(70, seed=4, vocab=tiny.config.vocab_size)
     schedule = [24] + [1] * 30 + [9] + [1] * 7
-    caches = {name: kvcache.make_cache(tiny, name + storage, cache_length=12, recent=3, **extra)
+    caches = {name: kvcache.make_cache(tiny, name + storage, cache_length=12, options={"recent": 3, **extra})
               for name, extra in (("h2o", {}), ("qh2o", {"weight": 1.0, "scale": scale}))}
     logits = {}
     with torch.inference_mode():
@@ -69,7 +69,7 @@ def test_weight_zero_keeps_the_tokens_that_quantize_best(scale):
 def test_error_is_measured_before_quantization(tiny):
     """Over a quantized storage the error is the model's keys and values against their codes, not
     the stored codes against themselves (which would be zero)."""
-    cache = kvcache.make_cache(tiny, "qh2o:kivi4", cache_length=16, recent=4)
+    cache = kvcache.make_cache(tiny, "qh2o:kivi4", cache_length=16, options={"recent": 4})
     with torch.inference_mode():
         tiny(ids_for(40, seed=2, vocab=tiny.config.vocab_size), cache)
     for layer in cache.layers:
@@ -95,4 +95,4 @@ def test_rank_scale_spreads_a_heavy_tailed_score():
                                              ({"scale": "log"}, "minmax, rank")])
 def test_bad_options(tiny, options, message):
     with pytest.raises(ValueError, match=message):
-        kvcache.make_cache(tiny, "qh2o", cache_length=16, **options)
+        kvcache.make_cache(tiny, "qh2o", cache_length=16, options=options)

@@ -14,7 +14,7 @@ def test_a_prompt_keeps_the_top_draws_of_the_seeded_generator(llama):
     T, C = 30, 10
     ids = torch.arange(3, 3 + T, device=DEVICE)[None]
     with torch.inference_mode():
-        cache = kvcache.make_cache(llama, "random", cache_length=C, score_seed=7)
+        cache = kvcache.make_cache(llama, "random", cache_length=C, options={"score_seed": 7})
         llama(ids, cache)
     Hkv = cache.layers[0].storage.k.shape[1]
     draws = torch.rand(Hkv, T, generator=torch.Generator().manual_seed(7)).to(DEVICE)
@@ -28,7 +28,7 @@ def test_the_seed_changes_what_is_kept(llama):
     held = []
     for seed in (0, 1):
         with torch.inference_mode():
-            cache = kvcache.make_cache(llama, "random", cache_length=10, score_seed=seed)
+            cache = kvcache.make_cache(llama, "random", cache_length=10, options={"score_seed": seed})
             llama(ids, cache)
         held.append(kept(cache.layers[0], 0))
     assert held[0] != held[1]

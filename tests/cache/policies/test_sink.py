@@ -39,7 +39,7 @@ def _issue_35350(model, positions):
     """Prefill PREFILL > C tokens in one chunk, then DECODE one-token steps. Returns the ids, the
     cache and, per query position p, (logits, [the attention call of each layer, query index])."""
     ids = ids_for(PREFILL + DECODE, seed=3, vocab=model.config.vocab_size)
-    cache = kvcache.make_cache(model, "sink", cache_length=C, sinks=SINKS, positions=positions)
+    cache = kvcache.make_cache(model, "sink", cache_length=C, options={"sinks": SINKS, "positions": positions})
     recorder = AttentionRecorder(cache)
     steps = {}
     with torch.inference_mode(), recorder.patch():
@@ -99,7 +99,7 @@ def test_renumbered_decode_then_chunk_then_decode(one_layer, storage):
     name = "sink" if storage == "full" else f"sink:{storage}"
 
     def run(schedule):
-        cache = kvcache.make_cache(one_layer, name, cache_length=C, sinks=SINKS)
+        cache = kvcache.make_cache(one_layer, name, cache_length=C, options={"sinks": SINKS})
         logits, fed = [], 0
         for n in schedule:
             logits.append(one_layer(ids[:, fed : fed + n], cache)[0])
@@ -120,7 +120,7 @@ def test_decode_steps_score_renumbered_sinks_without_touching_their_slots(one_la
     """Renumbered sinks are scored with a rotated query: after decode steps over full rows the
     sink slots hold, bit for bit, the keys the prompt stored, and taking the state changes nothing."""
     ids = ids_for(PREFILL + 8, seed=7, vocab=one_layer.config.vocab_size)
-    cache = kvcache.make_cache(one_layer, "sink", cache_length=C, sinks=SINKS)
+    cache = kvcache.make_cache(one_layer, "sink", cache_length=C, options={"sinks": SINKS})
     with torch.inference_mode():
         one_layer(ids[:, :PREFILL], cache)
         stored = cache.layers[0].storage.k[:, :, :SINKS].clone()
@@ -154,7 +154,7 @@ def test_sink_streams_100k_tokens_in_flat_memory(one_layer):
     finite logits, always the sinks plus the recent window, and still the kept-token forward."""
     total, budget = 100_000, 64
     ids = ids_for(total, seed=4, vocab=one_layer.config.vocab_size)
-    cache = kvcache.make_cache(one_layer, "sink", cache_length=budget, sinks=SINKS)
+    cache = kvcache.make_cache(one_layer, "sink", cache_length=budget, options={"sinks": SINKS})
     nbytes = cache.nbytes()
 
     def check(cache, fed):
@@ -177,5 +177,5 @@ def test_budget_covering_sequence_equals_forward_with_model_window(model_factory
     model = model_factory("mistral_window")  # sliding_window = 8
     ids = ids_for(20, seed=1, vocab=model.config.vocab_size)
     with torch.inference_mode():
-        cache = kvcache.make_cache(model, "sink", cache_length=32, sinks=4)
+        cache = kvcache.make_cache(model, "sink", cache_length=32, options={"sinks": 4})
         assert max_diff(model(ids, cache), model(ids)) <= ATOL

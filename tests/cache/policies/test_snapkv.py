@@ -23,7 +23,7 @@ def tiny(tmp_path_factory):
 def test_snapkv_keeps_observation_window_then_evicts_oldest(tiny):
     C, window = 16, 4
     ids = ids_for(60, seed=11, vocab=tiny.config.vocab_size)
-    cache = kvcache.make_cache(tiny, "snapkv", cache_length=C, window=window, kernel=3)
+    cache = kvcache.make_cache(tiny, "snapkv", cache_length=C, options={"window": window, "kernel": 3})
     with torch.inference_mode():
         tiny(ids[:, :40], cache)
         heads = [kept(layer, 0) for layer in cache.layers]

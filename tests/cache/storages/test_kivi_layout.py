@@ -30,7 +30,7 @@ def channel_share(cache) -> float:
 def test_a_chunked_prompt_keeps_keys_per_channel(llama, name):
     # KIVI named outright: "int4" on a cache this small holds full precision (fewer bytes).
     C = 64
-    cache = kvcache.make_cache(llama, name, cache_length=C, **budget_options(name.split(":")[0], C))
+    cache = kvcache.make_cache(llama, name, cache_length=C, options=budget_options(name.split(":")[0], C))
     ids = random_ids(192, seed=5)
     with torch.inference_mode():
         for start in range(0, 192, 32):

@@ -227,8 +227,8 @@ def test_bytes_per_slot(name):
 def test_cache_bytes_per_policy(llama, storage):
     """The whole cache: the storage's bytes, with positions and statistics as at full precision."""
     for policy, options, n_stats in (("dense", {}, 0), ("h2o", dict(recent=4), 1)):
-        cache = kvcache.make_cache(llama, f"{policy}:{storage}", cache_length=512, **options)
-        full = kvcache.make_cache(llama, policy, cache_length=512, **options)
+        cache = kvcache.make_cache(llama, f"{policy}:{storage}", cache_length=512, options=options)
+        full = kvcache.make_cache(llama, policy, cache_length=512, options=options)
         stats = sum(layer._stat_buffer.numel() * 4 for layer in cache.layers) if n_stats else 0
         assert cache.nbytes() == sum(layer.storage.nbytes() for layer in cache.layers) + stats
         assert cache.nbytes() < full.nbytes()
@@ -488,7 +488,7 @@ def test_positional_eviction_is_identical_to_full_precision(llama, storage, poli
     schedule = [[7, 3], [1, 1], [0, 9], [12, 5], [1, 1], [1, 1], [5, 8], [1, 1]]
     caches, logits = {}, {}
     for name in (policy, f"{policy}:{storage}"):
-        caches[name] = kvcache.make_cache(llama, name, cache_length=8, batch_size=2, **options)
+        caches[name] = kvcache.make_cache(llama, name, cache_length=8, batch_size=2, options=options)
         with torch.inference_mode():
             logits[name] = feed(llama, caches[name], rows, schedule, after_call=lambda c, n, T: check_storage(c))
     for full, quant in zip(caches[policy].layers, caches[f"{policy}:{storage}"].layers):
@@ -647,7 +647,7 @@ def test_scoring_policies_with_kivi(llama, policy, options):
     schedule = [[10, 6]] + [[1, 1]] * 6 + [[9, 9]] + [[1, 1]] * 5 + [[4, 2]]
     got, want = {}, {}
     for name, out in ((f"{policy}:int4/4", got), (policy, want)):
-        cache = kvcache.make_cache(llama, name, cache_length=8, batch_size=2, **options)
+        cache = kvcache.make_cache(llama, name, cache_length=8, batch_size=2, options=options)
         with torch.inference_mode():
             out.update(enumerate(feed(llama, cache, rows, schedule, after_call=lambda c, n, T: check_storage(c))))
     for r in range(2):
@@ -657,8 +657,8 @@ def test_scoring_policies_with_kivi(llama, policy, options):
 
 def test_headwise_budgets_with_quantized_storage(llama):
     budgets = [[6, 10]] * llama.config.num_layers
-    cache = kvcache.make_cache(llama, "h2o:int4/4", cache_length=8, head_budgets=budgets, recent=2)
-    full = kvcache.make_cache(llama, "h2o", cache_length=8, head_budgets=budgets, recent=2)
+    cache = kvcache.make_cache(llama, "h2o:int4/4", cache_length=8, head_budgets=budgets, options={"recent": 2})
+    full = kvcache.make_cache(llama, "h2o", cache_length=8, head_budgets=budgets, options={"recent": 2})
     assert cache.nbytes() < full.nbytes()
     with torch.inference_mode():
         logits = llama(ids_for(20, seed=5, vocab=llama.config.vocab_size), cache)
@@ -673,7 +673,7 @@ def test_names_pair_a_policy_with_a_storage(llama, capsys):
     assert {"kivi8", "kivi4", "kivi2", "token8", "token4", "token2"} <= set(kvcache.storages())
     assert "dense" in kvcache.policies() and "dense:int8" not in kvcache.policies()
     # (Long enough for 4-bit codes to pay off: a shorter "int4" cache holds full precision.)
-    cache = kvcache.make_cache(llama, "h2o:int4", cache_length=256, recent=2)
+    cache = kvcache.make_cache(llama, "h2o:int4", cache_length=256, options={"recent": 2})
     assert cache.policy == "h2o:int4"
     layer = cache.layers[0].storage
     assert isinstance(layer, KiviStorage) and layer.bits == 4 and layer.key_group == 64
@@ -713,7 +713,7 @@ def test_unknown_policy_with_a_storage(llama):
 @pytest.mark.parametrize("name", ALL)
 def test_buffers_name_every_tensor_a_storage_holds(llama, name):
     """Snapshots copy ``buffers()``: a tensor left out of it would not be saved or restored."""
-    cache = kvcache.make_cache(llama, f"h2o:{name}", cache_length=8, recent=2)
+    cache = kvcache.make_cache(llama, f"h2o:{name}", cache_length=8, options={"recent": 2})
     llama(ids_for(12), cache=cache)
     storage = cache.layers[0].storage
     held = {n for n, t in vars(storage).items() if isinstance(t, torch.Tensor)}

@@ -70,7 +70,7 @@ def test_a_cache_held_at_full_precision_computes_what_full_precision_does(llama)
     ids = random_ids(20, seed=5)
     logits = {}
     for name in ("h2o", "h2o:int4"):
-        cache = kvcache.make_cache(llama, name, cache_length=12, recent=4)
+        cache = kvcache.make_cache(llama, name, cache_length=12, options={"recent": 4})
         with torch.inference_mode():
             logits[name] = torch.cat([llama(ids[:, i : i + 5], cache) for i in range(0, 20, 5)], dim=1)
         if name == "h2o:int4":
@@ -85,7 +85,7 @@ def test_generate_summary_and_policies_say_so(capsys):
     err = capsys.readouterr().err
     assert "(h2o:int4 held at full precision: fewer bytes than its codes at 32 slots" in err
     cpu = kvcache.load()  # what the command line loads: the bundled model on the CPU, float32
-    full = kvcache.make_cache(cpu, "h2o", cache_length=32, recent=16)
+    full = kvcache.make_cache(cpu, "h2o", cache_length=32, options={"recent": 16})
     assert f"cache memory: {human(full.nbytes())} (h2o:int4 held" in err
     assert main(["generate", "It is a truth", "--policy", "h2o:int4", "--cache-length", "256",
                  "--max-new-tokens", "4"]) == 0
