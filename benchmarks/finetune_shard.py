@@ -91,7 +91,7 @@ def rank_main(cfg: dict) -> None:
     ids = torch.randint(3, config.vocab_size, (world, cfg["tokens"]), generator=torch.Generator().manual_seed(1))
     start = time.perf_counter()
     loss = kvcache.chunked_loss(wrapped, rank_rows(ids, rank, world), policy="h2o", cache_length=cfg["cache_length"],
-                                chunk=cfg["chunk"], recent=cfg["cache_length"] // 2)
+                                chunk=cfg["chunk"], options={"recent": cfg["cache_length"] // 2})
     loss.backward()
     optimizer.step()
     seconds = time.perf_counter() - start

@@ -27,7 +27,7 @@ twice): 4 KB a token on the bundled model, where full backprop keeps about 210 K
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +50,7 @@ def chunked_loss(
     weights: torch.Tensor | Sequence[torch.Tensor] | None = None,
     ignore_index: int = -100,
     offload_kv: bool = False,
-    **options,
+    options: Mapping[str, object] | None = None,
 ) -> torch.Tensor:
     """Mean next-token cross-entropy of ``ids`` run ``chunk`` tokens at a time through a cache.
 
@@ -65,7 +65,7 @@ def chunked_loss(
     weights: (B, T) float, optional: the weight of the target ``labels[:, t]`` (t >= 1) in the
              mean, which is then sum(w * loss) / sum(w) (answers of retrieval tasks weigh more).
     policy, cache_length, options: the cache, as ``kvcache.make_cache`` takes them (``h2o:int4``,
-             ``sinks=4`` ...); ``cache_length`` defaults to T (a dense cache of the sequence), and a
+             ``{"sinks": 4}`` ...); ``cache_length`` defaults to T (a dense cache of the sequence), and a
              float is a fraction of T.
     chunk:   tokens per model call, or a sequence of chunk sizes that sum to T.
     offload_kv: keep the recorded keys and values and their gradient buffers, the memory that grows
@@ -137,7 +137,7 @@ def _pad_to_longest_rank(ids, targets, target_weights, ignore_index: int) -> tup
 
 
 def _replayable_cache(model: torch.nn.Module, policy: str, length: int | float, B: int, T: int,
-                      options: dict) -> KVCache:
+                      options: Mapping[str, object] | None) -> KVCache:
     """The cache the chunks of a (B, T) batch run through: ``policy``'s with ``cache_length=length``
     and ``options``, or the same policy with ``full`` storage (and a warning) where its storage
     quantizes a token depending on where it is placed, so its keys cannot be replayed as stored.

@@ -199,7 +199,7 @@ def _accumulate(run: _Run, step: int) -> tuple[float, int]:
         ids, w = _own_share(run, ids, w)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=run.device.type == "cuda"):
             loss = chunked_loss(run.model, ids, weights=w, policy=config.policy, cache_length=config.cache_length,
-                                chunk=config.chunk, offload_kv=config.offload_kv, **config.policy_options)
+                                chunk=config.chunk, offload_kv=config.offload_kv, options=config.policy_options)
         (loss / config.grad_accum).backward()
         total += loss.item() / config.grad_accum
     return total, read

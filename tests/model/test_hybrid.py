@@ -263,7 +263,7 @@ def test_chunked_loss_under_a_policy_matches_the_masked_reference(model_factory,
     assert [layer.name for layer in cache.layers] == ["window" if s else policy for s in sliding(model)]
     want_loss, want = gradients(model, lambda: reference_loss(model, ids, cache, held, sizes))
     got_loss, got = gradients(model, lambda: kvcache.chunked_loss(model, ids, policy=policy, cache_length=C,
-                                                                  chunk=sizes, **options))
+                                                                  chunk=sizes, options=options))
     assert abs(got_loss - want_loss) <= 1e-5 * abs(want_loss)
     assert max(relative_errors(got, want).values()) <= 1e-5
 

@@ -129,7 +129,7 @@ def test_frozen_parameters_get_no_gradient(llama):
 )
 def test_errors(llama, kwargs, message):
     with pytest.raises((ValueError, kvcache.CapacityError), match=message):
-        kvcache.chunked_loss(llama, random_ids(10), **kwargs)
+        kvcache.chunked_loss(llama, random_ids(10), options=kwargs)
 
 
 def test_second_backward_is_refused(llama):

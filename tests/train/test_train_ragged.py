@@ -37,11 +37,11 @@ def test_ragged_rows_equal_rows_alone(model, policy, options):
     total = sum(shares)
     want_loss, want = 0.0, {}
     for row, lab, w, share in zip(rows, labels, weights, shares):
-        loss, grads = gradients(model, lambda: kvcache.chunked_loss(model, row[None], lab[None], weights=w[None], **kw))
+        loss, grads = gradients(model, lambda: kvcache.chunked_loss(model, row[None], lab[None], weights=w[None], options=kw))
         want_loss += loss * share / total
         for name, g in grads.items():
             want[name] = want.get(name, 0) + g * share / total
-    got_loss, got = gradients(model, lambda: kvcache.chunked_loss(model, rows, labels, weights=weights, **kw))
+    got_loss, got = gradients(model, lambda: kvcache.chunked_loss(model, rows, labels, weights=weights, options=kw))
     assert abs(got_loss - want_loss) <= REL_TOL * abs(want_loss)
     errors = relative_errors(got, want)
     assert max(errors.values()) <= REL_TOL, {n: e for n, e in errors.items() if e > REL_TOL}
@@ -67,7 +67,7 @@ def test_padding_would_matter_without_the_rule(model):
 def test_ragged_errors(model, rows, kwargs, message):
     labels = kwargs.pop("labels", None)
     with pytest.raises(ValueError, match=message):
-        kvcache.chunked_loss(model, rows, labels, chunk=4, **kwargs)
+        kvcache.chunked_loss(model, rows, labels, chunk=4, options=kwargs)
 
 
 def test_finetune_on_ragged_rows(tmp_path):

@@ -99,8 +99,8 @@ def test_offload_kv_gives_the_same_gradients(tmp_path):
     model = tiny_model(tmp_path, layers=2)
     ids = token_ids(30, batch=2, seed=4)
     kw = dict(policy="h2o", cache_length=12, chunk=7, recent=4)
-    want_loss, want = gradients(model, lambda: kvcache.chunked_loss(model, ids, **kw))
-    got_loss, got = gradients(model, lambda: kvcache.chunked_loss(model, ids, offload_kv=True, **kw))
+    want_loss, want = gradients(model, lambda: kvcache.chunked_loss(model, ids, options=kw))
+    got_loss, got = gradients(model, lambda: kvcache.chunked_loss(model, ids, offload_kv=True, options=kw))
     assert got_loss == want_loss
     assert all(torch.equal(got[n], want[n]) for n in want)
     assert max(relative_errors(got, want).values()) == 0.0
