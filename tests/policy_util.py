@@ -326,3 +326,14 @@ class LayerHarness:
 
     def kept(self) -> list[list[int]]:
         return kept(self.layer, 0)
+
+
+# make_cache's own keywords; everything else in a test's settings is the policy's option.
+CACHE_KEYWORDS = frozenset({"cache_length", "batch_size", "prompt_length", "allocation", "head_budgets", "reserve", "block"})
+
+
+def cache_args(settings: dict, keywords: frozenset = CACHE_KEYWORDS) -> dict:
+    """A test's settings as make_cache takes them: its own ``keywords`` as they are, the policy's
+    options gathered in ``options``."""
+    options = {k: v for k, v in settings.items() if k not in keywords}
+    return {**{k: v for k, v in settings.items() if k in keywords}, "options": options}

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import torch
-from train_util import relative_errors, token_ids
+from train_util import loss_args, relative_errors, token_ids
 
 import kvcache
 from kvcache.train.lora import add_lora
@@ -73,13 +73,13 @@ def equivalence(rank: int, world: int, port: int, ckpt: str, cases: list[dict], 
         ids, labels, weights = batch(case.get("rows", 3), 24, case.get("ragged", False))
         kw = dict(policy=case["policy"], chunk=8, **case.get("options", {}))
         reference = build(ckpt, case["lora"])
-        loss = kvcache.chunked_loss(reference, ids, labels, weights=weights, options=kw)
+        loss = kvcache.chunked_loss(reference, ids, labels, weights=weights, **loss_args(kw))
         loss.backward()
         want = gradients_of(dict(reference.named_parameters()))
 
         sharded = shard(build(ckpt, case["lora"]), case["how"])
         mine = [rank_rows(t, rank, world) for t in (ids, labels, weights)]
-        got_loss = kvcache.chunked_loss(sharded, mine[0], mine[1], weights=mine[2], options=kw)
+        got_loss = kvcache.chunked_loss(sharded, mine[0], mine[1], weights=mine[2], **loss_args(kw))
         got_loss.backward()
         got = gradients_of(dict(unwrap(sharded).named_parameters()))
         state = full_state_dict(sharded)

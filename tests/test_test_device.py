@@ -55,3 +55,12 @@ def test_ids_and_models_are_built_on_the_test_device(device, llama):
     assert random_ids(4, device="cpu").device.type == "cpu"
     assert torch.equal(random_ids(6, seed=3).cpu(), random_ids(6, seed=3, device="cpu"))
     assert {p.device.type for p in llama.parameters()} == {device.type}
+
+
+def test_the_longest_modules_named_first_are_there():
+    """conftest's LONGEST_FIRST names modules of the suite: one moved or renamed would silently
+    lose its place at the front of the run."""
+    from conftest import LONGEST_FIRST
+
+    root = Path(__file__).parent
+    assert [name for name in LONGEST_FIRST if not (root / name).is_file()] == []

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from policy_util import build_tiny, ids_for  # noqa: E402
+from policy_util import CACHE_KEYWORDS, build_tiny, cache_args, ids_for  # noqa: E402
 
 import kvcache
 from kvcache.cache.base import KVCache, LayerCache, Step
@@ -28,7 +28,7 @@ def record_held(model, ids: torch.Tensor, policy: str, cache_length: int, sizes:
     which the reference attends straight-through: recomputing the codes instead could round a value
     that lies on a code boundary the other way, a jump of a whole quantization step."""
     B = ids.shape[0]
-    cache = kvcache.make_cache(model, policy, cache_length=cache_length, batch_size=B, options=options)
+    cache = kvcache.make_cache(model, policy, cache_length=cache_length, batch_size=B, **cache_args(options))
     stored = [[] for _ in cache.layers]
     for layer, keep in zip(cache.layers, stored):
         def attend(q, k, v, step, layer=layer, keep=keep, attend=layer.attend):
@@ -171,3 +171,12 @@ def plain_loss(model, ids: torch.Tensor) -> torch.Tensor:
     """The mean next-token loss of the plain forward over the whole sequence (full backprop)."""
     logits = model(ids)
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+
+
+# chunked_loss's own keywords; everything else in a test's settings is the policy's option.
+LOSS_KEYWORDS = CACHE_KEYWORDS | {"policy", "chunk", "weights", "labels", "ignore_index", "offload_kv"}
+
+
+def loss_args(settings: dict) -> dict:
+    """A test's settings as chunked_loss takes them (``cache_args`` with its keywords)."""
+    return cache_args(settings, LOSS_KEYWORDS)

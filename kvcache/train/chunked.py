@@ -26,6 +26,7 @@ twice): 4 KB a token on the bundled model, where full backprop keeps about 210 K
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Mapping, Sequence
 
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ..cache.base import KVCache
+from ..cache.names import CacheName
 from ..cache.registry import make_cache
 from ..errors import CapacityError, KVCacheWarning
 from .replay import KeyValueStore, Recorder, Replay, check_supported, held_positions, storages
@@ -51,6 +53,10 @@ def chunked_loss(
     ignore_index: int = -100,
     offload_kv: bool = False,
     options: Mapping[str, object] | None = None,
+    allocation: str | Sequence[int] = "uniform",
+    head_budgets: Sequence[Sequence[int]] | None = None,
+    reserve: int = 0,
+    block: int = 1,
 ) -> torch.Tensor:
     """Mean next-token cross-entropy of ``ids`` run ``chunk`` tokens at a time through a cache.
 
@@ -64,8 +70,9 @@ def chunked_loss(
              label is ``ignore_index`` are not counted.
     weights: (B, T) float, optional: the weight of the target ``labels[:, t]`` (t >= 1) in the
              mean, which is then sum(w * loss) / sum(w) (answers of retrieval tasks weigh more).
-    policy, cache_length, options: the cache, as ``kvcache.make_cache`` takes them (``h2o:int4``,
-             ``{"sinks": 4}`` ...); ``cache_length`` defaults to T (a dense cache of the sequence), and a
+    policy, cache_length, options, allocation, head_budgets, reserve, block:
+             the cache, as ``kvcache.make_cache`` takes them (``h2o:int4``, ``options={"sinks":
+             4}`` ...); ``cache_length`` defaults to T (a dense cache of the sequence), and a
              float is a fraction of T.
     chunk:   tokens per model call, or a sequence of chunk sizes that sum to T.
     offload_kv: keep the recorded keys and values and their gradient buffers, the memory that grows
@@ -109,7 +116,8 @@ def chunked_loss(
     sizes = chunk_sizes(chunk, T)
     if float(denom) <= 0:
         raise ValueError("no token to predict: every label is ignore_index (or every weight is 0)")
-    cache = _replayable_cache(model, policy, T if cache_length is None else cache_length, B, T, options)
+    shape = dict(options=options, allocation=allocation, head_budgets=head_budgets, reserve=reserve, block=block)
+    cache = _replayable_cache(model, policy, T if cache_length is None else cache_length, B, T, shape)
     store_device = torch.device("cpu") if offload_kv else ids.device
     plan = _Plan(call, cache, ids, targets, target_weights, denom, sizes, ignore_index, store_device)
     if sharded is not None:
@@ -137,16 +145,17 @@ def _pad_to_longest_rank(ids, targets, target_weights, ignore_index: int) -> tup
 
 
 def _replayable_cache(model: torch.nn.Module, policy: str, length: int | float, B: int, T: int,
-                      options: Mapping[str, object] | None) -> KVCache:
+                      shape: dict) -> KVCache:
     """The cache the chunks of a (B, T) batch run through: ``policy``'s with ``cache_length=length``
-    and ``options``, or the same policy with ``full`` storage (and a warning) where its storage
-    quantizes a token depending on where it is placed, so its keys cannot be replayed as stored.
-    Raises CapacityError where a cache that does not evict cannot hold the T tokens."""
-    cache = make_cache(model, policy, cache_length=length, batch_size=B, prompt_length=T, options=options)
+    and the rest of make_cache's keywords in ``shape`` (options, allocation, ...), or the same
+    policy with ``full`` storage (and a warning) where its storage quantizes a token depending
+    on where it is placed, so its keys cannot be replayed as stored. Raises CapacityError where
+    a cache that does not evict cannot hold the T tokens."""
+    cache = make_cache(model, policy, cache_length=length, batch_size=B, prompt_length=T, **shape)
     for layer in cache.layers:
         check_supported(layer)
     if not all(getattr(s, "exact_roundtrip", True) for layer in cache.layers for s in storages(layer)):
-        full = policy.partition(":")[0]
+        full = dataclasses.replace(CacheName.parse(policy), storage="full", storage_named=False)
         warnings.warn(
             f"chunked_loss trains {policy!r} as {full!r} (full precision): its storage quantizes a token "
             "differently depending on where it is placed, so a chunk's keys cannot be replayed as stored; "
@@ -154,7 +163,7 @@ def _replayable_cache(model: torch.nn.Module, policy: str, length: int | float, 
             KVCacheWarning,
             stacklevel=3,  # chunked_loss's caller
         )
-        cache = make_cache(model, full, cache_length=length, batch_size=B, prompt_length=T, options=options)
+        cache = make_cache(model, full, cache_length=length, batch_size=B, prompt_length=T, **shape)
     if cache.max_tokens is not None and cache.max_tokens < T:
         raise CapacityError(
             f"a {policy!r} cache of cache_length={cache.max_tokens} cannot hold a sequence of {T} tokens: "

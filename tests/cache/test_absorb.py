@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import DEVICE, random_ids
+from policy_util import cache_args
 
 from kvcache import make_cache
 from kvcache.eval.shared import record
@@ -21,7 +22,7 @@ def test_absorb_leaves_the_cache_attend_leaves(llama, policy, reserve):
     recorded = record(llama, ids)
     length = 96 if policy == "dense" else 48
     options = {"reserve": reserve} if reserve and policy not in ("dense", "window", "sink") else {}
-    caches = [make_cache(llama, policy, cache_length=length, options=options) for _ in range(2)]
+    caches = [make_cache(llama, policy, cache_length=length, **cache_args(options)) for _ in range(2)]
     with torch.inference_mode():
         steps = [c.begin(torch.tensor([ids], device=DEVICE), None) for c in caches]
         for i, call in enumerate(recorded.calls):

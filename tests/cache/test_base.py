@@ -70,7 +70,7 @@ def test_make_cache_unknown_policy_lists_available(llama):
 @pytest.mark.parametrize("kwargs", [{"cache_length": 0}, {"cache_length": -3}, {"cache_length": 4, "batch_size": 0}])
 def test_make_cache_bad_geometry(llama, kwargs):
     with pytest.raises(ValueError):
-        kvcache.make_cache(llama, "dense", options=kwargs)
+        kvcache.make_cache(llama, "dense", **kwargs)
 
 
 def test_policies_lists_dense():

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from policy_util import (
     EXACT_ATOL,
     AttentionRecorder,
+    cache_args,
     check_storage,
     expected_sink_positions,
     feed,
@@ -206,7 +207,7 @@ def test_policy_properties(llama, case):
     def check(scenario):
         lengths, schedule, C, options, seed = scenario
         rows = [ids_for(L, seed=seed + b, vocab=VOCAB)[0] for b, L in enumerate(lengths)]
-        cache = kvcache.make_cache(llama, _name(case), cache_length=C, batch_size=len(rows), options=options)
+        cache = kvcache.make_cache(llama, _name(case), cache_length=C, batch_size=len(rows), **cache_args(options))
         recorder = AttentionRecorder(cache)
         checker = PolicyChecker(case, options, C, recorder)
         with torch.inference_mode():
@@ -234,7 +235,7 @@ def test_queries_never_see_later_tokens_of_their_chunk(llama, case):
     other = ids_for(30, batch=2, seed=6, vocab=VOCAB)
     with torch.inference_mode():
         for prefix in (0, 3, 17):  # empty, partly filled, overflowing cache (C = 8)
-            cache = kvcache.make_cache(llama, _name(case), cache_length=8, batch_size=2, options=options)
+            cache = kvcache.make_cache(llama, _name(case), cache_length=8, batch_size=2, **cache_args(options))
             if prefix:
                 llama(ids[:, :prefix], cache, n_tokens=[prefix, prefix - 1])
             twin = copy.deepcopy(cache)
@@ -264,7 +265,7 @@ def test_window_and_sink_are_chunking_independent(llama, policy, options):
     rows = list(ids_for(T, batch=2, seed=7, vocab=VOCAB))
 
     def run(schedule):
-        cache = kvcache.make_cache(llama, policy, cache_length=C, batch_size=2, options=options)
+        cache = kvcache.make_cache(llama, policy, cache_length=C, batch_size=2, **cache_args(options))
         return feed(llama, cache, rows, schedule), cache
 
     with torch.inference_mode():
@@ -328,7 +329,7 @@ def _ragged_case(llama, policy, options, schedule):
     lengths = [sum(n[b] for n in schedule) for b in range(3)]
     rows = [ids_for(L, seed=40 + b, vocab=VOCAB)[0] for b, L in enumerate(lengths)]
     with torch.inference_mode():
-        cache = kvcache.make_cache(llama, policy, cache_length=C, batch_size=3, options=options)
+        cache = kvcache.make_cache(llama, policy, cache_length=C, batch_size=3, **cache_args(options))
         got = feed(llama, cache, rows, schedule, pad_seed=3)
         for b, row in enumerate(rows):
             alone, alone_cache = feed_alone(llama, policy, row, [n[b] for n in schedule], C, **options)
@@ -375,7 +376,7 @@ def test_ragged_batch_evicts_as_alone_under_other_rounding(clean_hook, policy, o
     lengths = [sum(n[b] for n in schedule) for b in range(3)]
     rows = [ids_for(L, seed=40 + b, vocab=VOCAB)[0] for b, L in enumerate(lengths)]
     with torch.inference_mode():
-        cache = kvcache.make_cache(llama, policy, cache_length=C, batch_size=3, options=options)
+        cache = kvcache.make_cache(llama, policy, cache_length=C, batch_size=3, **cache_args(options))
         got = feed(llama, cache, rows, schedule, pad_seed=3)
         for seed in range(6):  # draws that set knorm's and critical's ties apart either way
             llama.layer_hook = RoundOtherwise(seed)
@@ -404,7 +405,7 @@ def test_listening_to_few_queries_scores_them_alone(llama, policy, options):
     explicit-softmax call over the whole chunk."""
     from kvcache.kernels import attention
 
-    cache = kvcache.make_cache(llama, policy, cache_length=8, batch_size=2, options=options)
+    cache = kvcache.make_cache(llama, policy, cache_length=8, batch_size=2, **cache_args(options))
     layer = cache.layers[0]
     step = cache.begin(torch.zeros(2, 20, dtype=torch.long, device=DEVICE), [20, 13])
     B, Hkv, D, T = 2, llama.config.num_kv_heads, llama.config.head_dim, 20
@@ -432,7 +433,7 @@ def test_policies_run_with_autograd_enabled(llama, name, options):
     schedule = [12, 1, 1, 1, 1, 5, 1, 3]
 
     def run():
-        cache = kvcache.make_cache(llama, name, cache_length=8, options=options)
+        cache = kvcache.make_cache(llama, name, cache_length=8, **cache_args(options))
         fed, out = 0, []
         for n in schedule:
             out.append(llama(ids[:, fed : fed + n], cache))

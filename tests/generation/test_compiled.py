@@ -12,6 +12,7 @@ import functools
 import pytest
 import torch
 from conftest import DEVICE, atol, max_diff, random_ids
+from policy_util import cache_args
 from torch._dynamo.backends.common import aot_autograd
 
 import kvcache
@@ -55,7 +56,7 @@ def _run(model, name, options, decode, steps=10, batch=2):
     the logits (steps, B, vocab) and each layer's kept positions after every step."""
     C = 24 if name.startswith("dense") else 9
     ids = ids_for(10 + steps, batch=batch, seed=3, vocab=VOCAB)
-    cache = kvcache.make_cache(model, name, cache_length=C, batch_size=batch, options=options)
+    cache = kvcache.make_cache(model, name, cache_length=C, batch_size=batch, **cache_args(options))
     with torch.inference_mode():
         model(ids[:, :10], cache, n_tokens=[10, 7][:batch])
         step = decode(cache)
@@ -262,7 +263,7 @@ def prefilled(model, name, options, backend):
     captured through ``backend``, and the ids (2, 16) whose tokens 10 on the step takes."""
     C = 24 if name.startswith("dense") else 9
     ids = ids_for(16, batch=2, seed=3)
-    cache = kvcache.make_cache(model, name, cache_length=C, batch_size=2, options=options)
+    cache = kvcache.make_cache(model, name, cache_length=C, batch_size=2, **cache_args(options))
     decode = CompiledDecode(model, cache, backend=backend)
     with torch.no_grad():
         model(ids[:, :10], cache, n_tokens=[10, 7])
@@ -385,7 +386,7 @@ def test_eager_decode_steps_make_nothing_on_the_host(tiny, name, options):
         model = kvcache.Transformer(tiny.config)
     model.eval()
     C = 12 if name.startswith("dense") else 6
-    cache = kvcache.make_cache(model, name, cache_length=C, batch_size=2, options=options)
+    cache = kvcache.make_cache(model, name, cache_length=C, batch_size=2, **cache_args(options))
     tokens = torch.zeros(2, 1, dtype=torch.long, device="meta")
     with torch.inference_mode(), HostCopies() as recorded:
         for _ in range(C):

@@ -12,6 +12,7 @@ import zlib
 import pytest
 import torch
 from conftest import _COMMON, DEVICE, FAMILIES, HIDDEN, SCORED, VOCAB, build_hf_model
+from policy_util import cache_args
 
 import kvcache.hf
 from kvcache.hf import cache_kwargs
@@ -139,4 +140,4 @@ def left_pad(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 def make(model, policy: str, cache_length: int, **kwargs) -> kvcache.hf.HFCache:
     """``kvcache.hf.make_cache`` with the options the policy's paper uses at ``cache_length``."""
     options = {**kvcache.cache.budget_options(policy, cache_length), **kwargs}
-    return kvcache.hf.make_cache(model, policy, cache_length=cache_length, options=options)
+    return kvcache.hf.make_cache(model, policy, cache_length=cache_length, **cache_args(options))

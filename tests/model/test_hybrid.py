@@ -251,7 +251,7 @@ def test_chunked_loss_through_the_rings_equals_full_backprop(model_factory, fami
 def test_chunked_loss_under_a_policy_matches_the_masked_reference(model_factory, policy):
     """A bounded cache on the global layers and rings on the sliding ones: the gradient of the
     full forward under the masks of what each layer kept (train_util.reference_loss)."""
-    from train_util import gradients, record_held, reference_loss, relative_errors
+    from train_util import gradients, loss_args, record_held, reference_loss, relative_errors
 
     from kvcache.cache.registry import budget_options
 
@@ -263,7 +263,7 @@ def test_chunked_loss_under_a_policy_matches_the_masked_reference(model_factory,
     assert [layer.name for layer in cache.layers] == ["window" if s else policy for s in sliding(model)]
     want_loss, want = gradients(model, lambda: reference_loss(model, ids, cache, held, sizes))
     got_loss, got = gradients(model, lambda: kvcache.chunked_loss(model, ids, policy=policy, cache_length=C,
-                                                                  chunk=sizes, options=options))
+                                                                  chunk=sizes, **loss_args(options)))
     assert abs(got_loss - want_loss) <= 1e-5 * abs(want_loss)
     assert max(relative_errors(got, want).values()) <= 1e-5
 

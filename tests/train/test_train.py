@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from conftest import DEVICE, FAMILIES, random_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from train_util import gradients, plain_loss, relative_errors
+from train_util import gradients, loss_args, plain_loss, relative_errors
 
 import kvcache
 
@@ -129,7 +129,7 @@ def test_frozen_parameters_get_no_gradient(llama):
 )
 def test_errors(llama, kwargs, message):
     with pytest.raises((ValueError, kvcache.CapacityError), match=message):
-        kvcache.chunked_loss(llama, random_ids(10), options=kwargs)
+        kvcache.chunked_loss(llama, random_ids(10), **loss_args(kwargs))
 
 
 def test_second_backward_is_refused(llama):

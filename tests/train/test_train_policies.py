@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from train_util import gradients, policy_heads, record_held, reference_loss, relative_errors, tiny_model, token_ids
+from train_util import gradients, loss_args, policy_heads, record_held, reference_loss, relative_errors, tiny_model, token_ids
 
 import kvcache
 from kvcache.cache.registry import budget_options
@@ -34,7 +34,7 @@ def check(model, policy: str, C: int, ids: torch.Tensor, sizes: list[int], **opt
         return check_full_precision(model, policy, C, ids, sizes, **options)
     want_loss, want = gradients(model, lambda: reference_loss(model, ids, cache, held, sizes))
     got_loss, got = gradients(model, lambda: kvcache.chunked_loss(model, ids, policy=policy, cache_length=C,
-                                                                  chunk=sizes, options=options))
+                                                                  chunk=sizes, **loss_args(options)))
     assert abs(got_loss - want_loss) <= REL_TOL * abs(want_loss), (got_loss, want_loss)
     errors = relative_errors(got, want)
     assert max(errors.values()) <= REL_TOL, {k: v for k, v in errors.items() if v > REL_TOL}
@@ -48,9 +48,9 @@ def check_full_precision(model, policy: str, C: int, ids, sizes, **options) -> t
     full = policy.partition(":")[0]
     with pytest.warns(UserWarning, match="full precision"):
         got_loss, got = gradients(model, lambda: kvcache.chunked_loss(model, ids, policy=policy, cache_length=C,
-                                                                      chunk=sizes, options=options))
+                                                                      chunk=sizes, **loss_args(options)))
     want_loss, want = gradients(model, lambda: kvcache.chunked_loss(model, ids, policy=full, cache_length=C,
-                                                                    chunk=sizes, options=options))
+                                                                    chunk=sizes, **loss_args(options)))
     assert got_loss == want_loss and all(torch.equal(got[n], want[n]) for n in want)
     return check(model, full, C, ids, sizes, **options)
 

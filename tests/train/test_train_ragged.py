@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import DEVICE
-from train_util import gradients, relative_errors, tiny_model, token_ids
+from train_util import gradients, loss_args, relative_errors, tiny_model, token_ids
 
 import kvcache
 
@@ -37,11 +37,12 @@ def test_ragged_rows_equal_rows_alone(model, policy, options):
     total = sum(shares)
     want_loss, want = 0.0, {}
     for row, lab, w, share in zip(rows, labels, weights, shares):
-        loss, grads = gradients(model, lambda: kvcache.chunked_loss(model, row[None], lab[None], weights=w[None], options=kw))
+        loss, grads = gradients(model, lambda: kvcache.chunked_loss(model, row[None], lab[None], weights=w[None],
+                                                                    **loss_args(kw)))
         want_loss += loss * share / total
         for name, g in grads.items():
             want[name] = want.get(name, 0) + g * share / total
-    got_loss, got = gradients(model, lambda: kvcache.chunked_loss(model, rows, labels, weights=weights, options=kw))
+    got_loss, got = gradients(model, lambda: kvcache.chunked_loss(model, rows, labels, weights=weights, **loss_args(kw)))
     assert abs(got_loss - want_loss) <= REL_TOL * abs(want_loss)
     errors = relative_errors(got, want)
     assert max(errors.values()) <= REL_TOL, {n: e for n, e in errors.items() if e > REL_TOL}
@@ -67,7 +68,7 @@ def test_padding_would_matter_without_the_rule(model):
 def test_ragged_errors(model, rows, kwargs, message):
     labels = kwargs.pop("labels", None)
     with pytest.raises(ValueError, match=message):
-        kvcache.chunked_loss(model, rows, labels, chunk=4, options=kwargs)
+        kvcache.chunked_loss(model, rows, labels, chunk=4, **loss_args(kwargs))
 
 
 def test_finetune_on_ragged_rows(tmp_path):

@@ -17,7 +17,7 @@ import shard_util
 import torch
 import torch.multiprocessing as mp
 from conftest import HF_ATOL, max_diff
-from train_util import gradients, relative_errors, tiny_model, token_ids
+from train_util import gradients, loss_args, relative_errors, tiny_model, token_ids
 
 import kvcache
 from kvcache.cli import main
@@ -99,8 +99,8 @@ def test_offload_kv_gives_the_same_gradients(tmp_path):
     model = tiny_model(tmp_path, layers=2)
     ids = token_ids(30, batch=2, seed=4)
     kw = dict(policy="h2o", cache_length=12, chunk=7, recent=4)
-    want_loss, want = gradients(model, lambda: kvcache.chunked_loss(model, ids, options=kw))
-    got_loss, got = gradients(model, lambda: kvcache.chunked_loss(model, ids, offload_kv=True, options=kw))
+    want_loss, want = gradients(model, lambda: kvcache.chunked_loss(model, ids, **loss_args(kw)))
+    got_loss, got = gradients(model, lambda: kvcache.chunked_loss(model, ids, offload_kv=True, **loss_args(kw)))
     assert got_loss == want_loss
     assert all(torch.equal(got[n], want[n]) for n in want)
     assert max(relative_errors(got, want).values()) == 0.0
