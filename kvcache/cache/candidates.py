@@ -35,6 +35,11 @@ class Candidates:
                 ``needs_attention`` (None otherwise).
     seen:       (B, Hp, N) how many listened queries could see each candidate, or 1.0 when one
                 query saw them all; with ``mass`` only.
+    keeps:      (B,) long, on the CPU: how many candidates each row keeps after this call
+                (``cache_length``, or ``cache_length - reserve`` for a row that overflows), where a
+                chunk is ranked; None in a decode step (every row keeps ``cache_length``). A score
+                that depends on it (lagkv's partitions, critical's first stage) reads it here, so
+                that a policy scores from its candidates and options alone.
     """
 
     stored_keys: object
@@ -45,6 +50,7 @@ class Candidates:
     step: Step
     mass: torch.Tensor | None = None
     seen: torch.Tensor | float = 1.0
+    keeps: torch.Tensor | None = None
     # Keys and values read back from packed views, by the first hook that asks.
     _decoded: dict = field(default_factory=dict, repr=False, compare=False)
 

@@ -328,7 +328,7 @@ class EvictingCache(LayerCache):
         # The chunk attends the kept slots decoded (what reading their codes gives, at the cost of
         # full-precision attention); the candidates stay packed, so that ``keep`` moves the kept
         # slots' codes as they are and stores the chunk's as ``roundtrip`` computed them.
-        c = Candidates(cand_k, cand_v, cand_pos, stats, q, step)
+        c = Candidates(cand_k, cand_v, cand_pos, stats, q, step, keeps=self._keeps(step))
         out, mass, seen = self._attend(q, c.keys, c.values, step.positions, cand_pos, step,
                                        self.sink_queries(q, step), outputs=outputs)
         self._observe(c, mass, seen)
@@ -347,6 +347,13 @@ class EvictingCache(LayerCache):
             return ks.with_tail(k), vs.with_tail(v), pos
         return torch.cat((ks, k), dim=2), torch.cat((vs, v), dim=2), pos
 
+    def _keeps(self, step: Step) -> torch.Tensor:
+        """(B,) long, CPU: the tokens each row keeps after ``step``'s chunk: what it holds, or
+        ``cache_length - reserve`` where the chunk overflows it (``Candidates.keeps``)."""
+        total = self.held + step.n_tokens.cpu()
+        C = self.spec.cache_length
+        return torch.where(total > C, C - self.spec.reserve, total)
+
     def _keep(self, c: Candidates, stored: int) -> None:
         """Gather the top-priority ``cache_length`` candidates back into the buffers; the first
         ``stored`` candidates are the kept slots, the rest the chunk. A row that overflows keeps
@@ -360,7 +367,7 @@ class EvictingCache(LayerCache):
             room = torch.where(over, C - self.spec.reserve, C)
             prio, kept = keep_whole_blocks(prio, cand_pos, self.spec.block, c.newest, room)
         keep = rank_newest_first(prio, cand_pos)[..., :C]  # (B, Hp, C), in rank order
-        held = kept if self.spec.block > 1 else torch.where(over, C - self.spec.reserve, total)
+        held = kept if self.spec.block > 1 else c.keeps
         if self.storage.keeps_in_place:
             # Survivors stay in their slots (KIVI keeps its per-channel key groups for keys that do
             # not move); the kept ranks still fill slots [0, held), the dropped ones follow.

@@ -64,15 +64,14 @@ class CriticalCache(EvictingCache):
             raise ValueError("critical needs the layer's output projection, which kvcache's own model gives "
                              "(kvcache.make_cache); a cache made through kvcache.hf has none")
         base = lookup(options.base)
-        # The base only scores: it is given one slot (no buffers worth the name) and skips its own
-        # constructor, whose checks are of the room its options need in this cache's budget.
+        # The base is a scorer here: a policy of this budget, with the options its paper sets
+        # for it, built on the meta device (its slots allocate nothing). This cache holds the
+        # tokens and their statistics; the base scores them from the candidates alone.
         settings = base.Options(**base.options_for_budget(spec.cache_length))
-        self.base = base.__new__(base)
-        EvictingCache.__init__(self.base, dataclasses.replace(spec, cache_length=1, reserve=0, block=1), settings)
-        # What the base needs from the machinery, it gets through this cache.
-        self.stat_names = base.stat_names
-        self.needs_attention = base.needs_attention
-        self.observe_every_step = base.observe_every_step
+        self.base = base(dataclasses.replace(spec, device=torch.device("meta")), settings)
+        self.stat_names = self.base.stat_names
+        self.needs_attention = self.base.needs_attention
+        self.observe_every_step = self.base.observe_every_step
         super().__init__(spec, options)
         self._observes = self.base._observes
 
@@ -81,8 +80,6 @@ class CriticalCache(EvictingCache):
 
     def priority(self, c: Candidates) -> torch.Tensor:
         B, H, N, _ = c.keys.shape
-        self.base.held = self.held  # a base that counts what a row keeps (lagkv) counts this cache's
-        self.base.spec = self.spec
         score = self.base.priority(c).float().masked_fill(c.empty, float("-inf"))
         # Cut (``coarse``), as knorm's norms: a token that comes twice has one value norm in the
         # first layer, and ties go by the ranking's rule (the newer), not by rounding.
@@ -94,10 +91,8 @@ class CriticalCache(EvictingCache):
             # the step is tensor operations only (the same eager and captured).
             first = int(C * self.options.first_stage)
             return weighted.scatter(-1, rank_newest_first(score, c.positions)[..., :first], top) if first else weighted
-        total = self.held + c.step.n_tokens.cpu()
-        room = torch.where(total > C, C - self.spec.reserve, total)  # what each row keeps
         for b in range(B):
-            first = int(int(room[b]) * self.options.first_stage)
+            first = int(int(c.keeps[b]) * self.options.first_stage)
             if first:
                 weighted[b].scatter_(-1, rank_newest_first(score[b], c.positions[b])[..., :first], top)
         return weighted

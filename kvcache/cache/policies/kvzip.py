@@ -128,7 +128,7 @@ class KVzipCache(EvictingCache):
         stats = {name: s[:, :, :n].clone() for name, s in source.stats.items()}
         # No queries: kvzip ranks by the scores the pass stored (``priority``), never by a call's queries.
         no_queries = ks.new_zeros(ks.shape[0], 1, 0, ks.shape[3])
-        self._keep(Candidates(ks, vs, pos, stats, no_queries, step), stored=0)
+        self._keep(Candidates(ks, vs, pos, stats, no_queries, step, keeps=self._keeps(step)), stored=0)
 
     def _reconstruct(self, q, k, v, step: Step, n: int) -> torch.Tensor:
         """One reconstruction call: the chunk's first ``n`` tokens are context, the rest its
@@ -143,7 +143,7 @@ class KVzipCache(EvictingCache):
         cand_k, cand_v, cand_pos = self._candidates(k[:, :, :n], v[:, :, :n], chunk_pos[:, :, :n], stored)
         stats = {name: torch.cat((s[:, :, :stored], s.new_zeros(B, Hkv, n)), 2) for name, s in self.stats.items()}
         context_step = _context_step(step, n)
-        c = Candidates(cand_k, cand_v, cand_pos, stats, q[:, :, :n], context_step)
+        c = Candidates(cand_k, cand_v, cand_pos, stats, q[:, :, :n], context_step, keeps=self._keeps(context_step))
         # Every key the call sees: the candidates, then the reconstruction's own.
         keys = torch.cat((c.keys, k[:, :, n:]), 2)
         values = torch.cat((c.values, v[:, :, n:]), 2)

@@ -83,11 +83,7 @@ class LagKVCache(EvictingCache):
             score = c.positions.float()
             return score.masked_fill(c.positions < self.options.sinks, PROTECTED) if self.options.sinks else score
         pos = c.positions.expand(B, H, N)
-        C = self.spec.cache_length
-        # A captured decode step (no host counts) adds one token per row.
-        added = c.step.n_tokens if c.step.n_tokens is not None else torch.ones(B, dtype=torch.long)
-        total = self.held + added.cpu()
-        room = torch.where(total > C, C - self.spec.reserve, total)  # what each row keeps
+        room = c.keeps  # what each row keeps
         score = torch.zeros(B, H, N, device=c.keys.device)
         one = (c.step.valid.sum(1) <= 1).tolist()  # rows adding one token decode, as they would alone
         for b in range(B):  # rows hold different counts; each is scored over its own tokens
