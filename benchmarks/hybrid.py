@@ -42,7 +42,10 @@ def memory(cfg: ModelConfig, tokens: list[int]) -> list[dict]:
     rows = []
     for n in tokens:
         cache = kvcache.make_cache(hybrid, cache_length=n)
-        everything = kvcache.make_cache(global_, cache_length=n).nbytes()
+        whole = kvcache.make_cache(global_, cache_length=n)
+        for c in (cache, whole):
+            c.allocate()  # every slot of the global layers, which allocate them as they fill
+        everything = whole.nbytes()
         rings = sliding_layers(cache)
         ratio = cache.nbytes() / everything
         rows.append({"tokens": n, "cache_bytes": cache.nbytes(), "all_global_bytes": everything,

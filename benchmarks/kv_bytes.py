@@ -35,7 +35,9 @@ FLOORS = {"int4": 0.30, "int2": 0.20}
 def layer(policy: str, storage: str, head_dim: int, kv_heads: int, slots: int):
     spec = CacheSpec(batch_size=1, num_kv_heads=kv_heads, head_dim=head_dim, cache_length=slots,
                      dtype=torch.float16, device=torch.device("meta"), storage=storage)
-    return layer_cache(policy_class(policy), spec, budget_options(policy, slots))
+    cache = layer_cache(policy_class(policy), spec, budget_options(policy, slots))
+    cache.grow(slots)  # every slot of a dense layer, which allocates them as it fills
+    return cache
 
 
 def storage_bytes(storage) -> tuple[int, int]:

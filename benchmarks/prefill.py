@@ -93,6 +93,7 @@ def prefill(model, ids: torch.Tensor, storage: str, chunk: int | None):
     tokens = ids.shape[1]
     with torch.inference_mode():
         cache = kvcache.make_cache(model, f"dense:{storage}", cache_length=tokens)
+        cache.allocate()  # every slot up front, as KIVI's: no storage's peak holds a growth's copy
         step = tokens if chunk is None else chunk
         for s in range(0, tokens, step):
             logits = model(ids[:, s : s + step], cache=cache, last_only=True)

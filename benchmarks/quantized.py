@@ -79,6 +79,7 @@ def layer(storage: str, tokens: int, dtype=torch.float32, device: torch.device =
                      device=device, storage=storage)
     dense = DenseCache(spec)
     cache = KVCache([dense], spec, f"dense:{storage}")
+    cache.allocate()  # every slot: the layer is measured as it is once full
     # Drawn on the device: at batch 16 and 32k tokens a layer is 2 x 537M numbers, which the
     # CPU takes tens of seconds to draw.
     gen = torch.Generator(device).manual_seed(0)
@@ -119,7 +120,7 @@ def measure_bytes(tokens: int = 32768) -> dict:
         spec = CacheSpec(batch_size=B, num_kv_heads=HKV, head_dim=D, cache_length=tokens, dtype=dtype, device=CPU,
                          storage=storage)
         name = storage if storage != "full" else f"full_{str(dtype).removeprefix('torch.')}"
-        out[name] = DenseCache(spec).nbytes()
+        out[name] = DenseCache(spec).nbytes_at(tokens)  # every slot allocated
     fp16 = out["full_float16"]
     return {"geometry": dict(head_dim=D, kv_heads=HKV, slots=tokens + 1), "nbytes": out,
             "vs_fp16": {k: round(v / fp16, 4) for k, v in out.items()}}

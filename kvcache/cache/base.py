@@ -30,6 +30,7 @@ import torch
 from ..errors import CapacityError
 from ..model.scores import Scores
 from ..runtime import devices
+from ..runtime.memory import check_fits
 from . import snapshot as snapshots
 from .options import NoOptions
 from .positions import MAX_POSITIONS
@@ -38,6 +39,9 @@ from .snapshot import Snapshot, check_tensors, storage_buffers
 if TYPE_CHECKING:  # storage.py builds on this module
     from .storages import Storage
 
+# What to change when a dense cache cannot grow (``KVCache.allocate``'s default advice).
+GROWTH_ADVICE = ("the cache keeps what it holds. Lower max_new_tokens (or cache_length, the most tokens a row may "
+                 "reach), the batch size, or use an evicting policy or a quantized storage (dense:int8)")
 
 
 @dataclass(frozen=True)
@@ -241,6 +245,21 @@ class LayerCache(ABC):
     def nbytes(self) -> int:
         """Bytes held by this layer's buffers."""
 
+    # ----- allocation: a layer that keeps every token allocates its slots as it fills (dense) ---
+    def allocated(self) -> int:
+        """Slots this layer's buffers have now, the scratch slot aside: its ``cache_length``,
+        allocated when the layer was made, unless it allocates as it fills (dense)."""
+        return self.spec.cache_length
+
+    def grow(self, tokens: int) -> None:
+        """Allocate what holding ``tokens`` tokens per row takes (at most ``cache_length``),
+        keeping what the layer holds. ``KVCache.allocate`` checks the memory first. Default:
+        nothing to allocate."""
+
+    def nbytes_at(self, tokens: int) -> int:
+        """What ``nbytes()`` would be after ``grow(tokens)``, with nothing allocated."""
+        return self.nbytes()
+
     # ----- state: snapshots, forks and the prefix store (snapshot.py) -------------------------
     def state(self) -> dict[str, torch.Tensor]:
         """The tensors that hold this layer's contents, by name: the live buffers (not copies),
@@ -330,6 +349,9 @@ class KVCache:
         # The captured decode step over this cache, made by ``kvcache.generation.compiled.captured_decode``
         # on first use and kept here so that later generations replay it.
         self.captured = None
+        # ``allocated_tokens`` as last computed (layers only grow), so that a step that fits
+        # what is allocated costs one comparison.
+        self._allocated = self.allocated_tokens
 
     @property
     def batch_size(self) -> int:
@@ -350,6 +372,42 @@ class KVCache:
         """
         capacities = [layer.spec.cache_length for layer in self.layers if not layer.evicts]
         return min(capacities) if capacities else None
+
+    @property
+    def allocated_tokens(self) -> int | None:
+        """The most tokens a row can hold before the layers that keep every token allocate more
+        slots: at most ``max_tokens``; None if every layer evicts.
+
+        A dense layer allocates its slots as it fills: a few hundred when made, then, when a
+        chunk would take a row past them, at least twice as many (``allocate``), up to its
+        ``cache_length``. So ``nbytes()`` is what the tokens reached take, not what
+        ``cache_length`` would, and a run copies its buffers O(log n) times for n tokens."""
+        held = [layer.allocated() for layer in self.layers if not layer.evicts]
+        return min(held) if held else None
+
+    def allocate(self, tokens: int | None = None, advice: str = GROWTH_ADVICE) -> None:
+        """Allocate now what holding ``tokens`` tokens per row takes (default ``max_tokens``:
+        every slot) in the layers that allocate as they fill; what they hold is kept. A captured
+        decode step, whose buffers must not move, needs every slot allocated first.
+
+        Raises ``MemoryBudgetError`` before allocating anything if the device has not the memory
+        available for the new buffers (the old ones are freed a layer at a time, once copied);
+        ``advice`` says what to change, in that message."""
+        capacity = self.max_tokens
+        if capacity is None:
+            return
+        tokens = capacity if tokens is None else min(tokens, capacity)
+        growing = [(layer, layer.nbytes_at(tokens) - layer.nbytes()) for layer in self.layers]
+        growing = [(layer, extra) for layer, extra in growing if extra > 0]
+        if growing:
+            # Every layer's new buffers, and one layer's old ones until they are copied.
+            need = sum(extra for _, extra in growing) + max(layer.nbytes() for layer, _ in growing)
+            rows = f"{self.batch_size} row{'s' if self.batch_size != 1 else ''}"
+            check_fits(need, self.spec.device, f"growing the {self.policy} cache from {self.allocated_tokens} to "
+                       f"{tokens} tokens per row ({len(growing)} layers x {rows})", advice)
+            for layer, _ in growing:
+                layer.grow(tokens)
+        self._allocated = self.allocated_tokens
 
     def check_model(self, model: torch.nn.Module) -> None:
         """Raise ValueError unless ``model`` has the layers, K/V heads, head size, dtype and device
@@ -434,6 +492,10 @@ class KVCache:
         )
         for layer in self.layers:
             layer.check(step)
+        if self._allocated is not None and span_end > self._allocated:
+            # After every check: a rejected chunk allocates nothing. At least doubling, so that
+            # growing to n tokens copies the buffers O(log n) times.
+            self.allocate(max(span_end, 2 * self.allocated_tokens))
         return step
 
     def commit(self, step: Step) -> None:
@@ -475,7 +537,8 @@ class KVCache:
             layer.reset()
 
     def nbytes(self) -> int:
-        """Bytes held by all layers' buffers (keys, values, positions and any scores)."""
+        """Bytes held by all layers' buffers (keys, values, positions and any scores): what is
+        allocated now (see ``allocated_tokens``)."""
         return sum(layer.nbytes() for layer in self.layers)
 
     @property

@@ -130,7 +130,7 @@ def break_even(model: torch.nn.Module, policy: str | CacheName, *, batch_size: i
         for i, budget in enumerate(layer_budgets(length, model.config.num_layers, "uniform")):
             spec = CacheSpec.for_model(model, batch_size=batch_size, cache_length=budget, storage=stored, layer=i)
             spec = dataclasses.replace(spec, device=torch.device("meta"))
-            total += layer_cache(cls, spec, dict(name.options)).nbytes()
+            total += layer_cache(cls, spec, dict(name.options)).nbytes_at(budget)  # every slot allocated
         return total
 
     def codes(length: int) -> bool:
@@ -214,9 +214,11 @@ def make_cache(
     layer that overflows keeps ``cache_length - reserve`` tokens, and the next ``reserve``
     tokens are appended without evicting. With ``cache_length = kept + reserve`` a prompt is
     compressed to ``kept`` tokens once and then grows by up to ``reserve`` tokens, as kvpress
-    does. Buffers are allocated here, once, in the model's dtype and on its device. ``block``
-    (any policy) makes an evicting policy keep whole aligned blocks of ``block`` positions, as a
-    paged serving engine frees them (see blocks.py).
+    does. Buffers are allocated here, in the model's dtype and on its device: all of them, but
+    for a dense cache, which allocates a few hundred slots here and more as it fills
+    (``KVCache.allocate``), up to ``cache_length``. ``block`` (any policy) makes an evicting
+    policy keep whole aligned blocks of ``block`` positions, as a paged serving engine frees
+    them (see blocks.py).
     """
     name = CacheName.parse(policy)
     policy_name, storage = name.policy, name.storage
@@ -292,19 +294,27 @@ def _budgets(cls: type[LayerCache], tokens: int, cfg, allocation: str | Sequence
 
 def _storage_that_fits(build_layers, storage: str, device: torch.device, what: str) -> str:
     """The storage to allocate ``what`` in: ``storage``, or full precision where its codes would
-    take more bytes (``falls_back``); ``MemoryBudgetError`` if the bytes do not fit ``device``.
+    take more bytes (``falls_back``); ``MemoryBudgetError`` if the bytes allocated now do not
+    fit ``device`` (a dense cache's first slots: it checks each growth as it fills).
     ``build_layers(device, storage)``: the cache's layers, here on the meta device, where every
     check runs and the bytes are summed with nothing allocated."""
-    need = sum(layer.nbytes() for layer in build_layers(torch.device("meta"), storage))
+    layers = build_layers(torch.device("meta"), storage)
+    need = sum(layer.nbytes() for layer in layers)
     if falls_back(storage):
         # Codes with their scales (and KIVI's full-precision residual) take more bytes than full
         # precision on a small cache: then the cache holds full precision, exact and smaller.
-        full = sum(layer.nbytes() for layer in build_layers(torch.device("meta"), "full"))
-        if full < need:
-            storage, need = "full", full
+        # Compared with every slot allocated: which is smaller depends on the cache_length only.
+        full_layers = build_layers(torch.device("meta"), "full")
+        if _full_nbytes(full_layers) < _full_nbytes(layers):
+            storage, need = "full", sum(layer.nbytes() for layer in full_layers)
     check_fits(need, device, what, "lower cache_length (max_new_tokens, when it defaults to prompt + new tokens), "
                "batch_size, or use an evicting policy or a quantized storage")
     return storage
+
+
+def _full_nbytes(layers: list[LayerCache]) -> int:
+    """Bytes of ``layers`` with every slot allocated (a dense layer allocates as it fills)."""
+    return sum(layer.nbytes_at(layer.spec.cache_length) for layer in layers)
 
 
 def holds_window(spec: CacheSpec, heads: list[int] | None = None) -> bool:

@@ -8,7 +8,10 @@ cache. Everything else about a layer is configuration (``LayerCache.config``), w
 
 A snapshot holds copies, never views: continuing the cache, or a cache restored from it, never
 changes it. Restoring copies the snapshot into the cache's own buffers (which stay where they
-are, so anything holding on to them, such as a captured decode step, keeps working).
+are, so anything holding on to them, such as a captured decode step, keeps working; a dense
+cache that has fewer slots allocated than the rows' tokens take allocates them first).
+A dense layer's snapshot has the slots its cache had allocated, which need not be the slots of
+the cache it restores into: the slots past a row's tokens hold nothing (dense.py).
 """
 
 from __future__ import annotations
@@ -162,6 +165,8 @@ def restore(cache, snapshot: Snapshot, rows: Sequence[int] | None = None) -> Non
     """Copy ``snapshot`` into ``rows`` of ``cache`` (all rows for None), after checking all of it."""
     index = row_index(cache.batch_size, rows)
     check(cache, snapshot, index)
+    # The rows' tokens, in a cache that allocates as it fills: its memory checked before any copy.
+    cache.allocate(int(snapshot.lengths.max()))
     for layer, state in zip(cache.layers, snapshot.states):
         layer.load_state(state, index)
     cache.lengths[index] = snapshot.lengths

@@ -448,6 +448,10 @@ def _print_summary(ids, new, clock: Clock, end: float, cache) -> None:
     threads = torch.get_num_threads()
     on_cpu = f" ({threads} thread{'s' if threads != 1 else ''})" if cache.spec.device.type == "cpu" else ""
     held = f"{cache.policy}, {cache.cache_length} slots"
+    allocated = cache.allocated_tokens
+    if allocated is not None and allocated < cache.cache_length:
+        # A dense cache allocates as it fills: its memory is that of the slots the run reached.
+        held = f"{cache.policy}, {allocated} of {cache.cache_length} slots allocated"
     rings = sliding_layers(cache)
     if rings:
         # A model with sliding-window layers: those hold their window, the policy the others.

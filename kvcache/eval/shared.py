@@ -87,6 +87,7 @@ def record(model, ids: list[int]) -> Recorded:
     if not ids:
         raise ValueError("the first chunk to record is empty")
     cache = make_cache(model, "dense", cache_length=len(ids))
+    cache.allocate()  # every slot now, not during the call, when the recordings stand in for the layers
     layers = cache.layers
     recording = [_Recording(layer) for layer in layers]
     cache.layers = recording

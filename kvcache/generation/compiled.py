@@ -17,7 +17,9 @@ only other input is the tokens. Positions come from the cache's ``device_lengths
 step advances inside its graph: no host-to-device copy and no host wait per step.
 
 Prefill stays eager. Batched eviction (``reserve``) and whole blocks are not captured: their
-decode steps alternate between appending and evicting, a decision made on the host.
+decode steps alternate between appending and evicting, a decision made on the host. A dense
+cache, which allocates its slots as it fills, has every slot allocated before the capture
+(``allocate_for_capture``): a captured step's buffers keep their size and address.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class CompiledDecode:
                  mode: str | None = None) -> None:
         check_capturable(cache)
         cache.check_model(model)
+        allocate_for_capture(cache)
         self.model, self.cache = model, cache
         device = model.embed_tokens.weight.device
         if mode is None and device.type == "cuda" and backend == "inductor":
@@ -75,13 +78,14 @@ class CompiledDecode:
         """One step with ``tokens`` (B, 1) sampled from this model's logits (the decode loop's):
         not checked against the vocabulary, so that nothing waits for the device."""
         cache = self.cache
-        limit = cache.max_tokens
-        if limit is not None and int(cache.lengths.max()) >= limit:
+        limit, longest = cache.max_tokens, int(cache.lengths.max())
+        if limit is not None and longest >= limit:
             row = int(cache.lengths.argmax())
             raise CapacityError(
                 f"{cache.policy} cache is full: row {row} holds {int(cache.lengths[row])} tokens and "
                 f"cache_length is {limit}. Make the cache with a larger cache_length, or use an evicting policy."
             )
+        self.model.warn_past_max_positions(longest + 1)
         cache.decode_positions()  # copied from the host after a prefill; between steps, nothing
         if self.compile_s is None:
             for t in held_tensors(cache):
@@ -128,6 +132,17 @@ def held_tensors(cache: KVCache) -> list[torch.Tensor]:
         elif type(obj).__module__.startswith("kvcache.") and hasattr(obj, "__dict__"):
             todo.extend(vars(obj).values())
     return list(found.values())
+
+
+def allocate_for_capture(cache: KVCache) -> None:
+    """Allocate every slot of ``cache`` (a dense cache allocates as it fills; a captured step's
+    buffers must not move), or raise ``MemoryBudgetError`` saying what that needs and what to
+    change, before anything is allocated."""
+    cache.allocate(advice=(
+        "a captured decode step (compile=True) needs every slot of a dense cache allocated up front, up to its "
+        "cache_length. Lower max_new_tokens (the cache_length generate makes is the longest prompt + "
+        "max_new_tokens) or cache_length, or the batch size, or decode without compile, which allocates the "
+        "cache as it fills"))
 
 
 def check_capturable(cache: KVCache) -> None:

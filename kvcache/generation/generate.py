@@ -15,7 +15,7 @@ from ..errors import CapacityError, GenerationError
 from ..model.transformer import Transformer
 from ..prefix.store import PrefixStore
 from ..runtime import devices
-from .compiled import captured_decode, check_capturable
+from .compiled import allocate_for_capture, captured_decode, check_capturable
 from .prefill import prefill
 
 # on_token(row, token): called for every new token of every row still generating.
@@ -27,6 +27,9 @@ ProgressCallback = Callable[[int, int], None]
 # small enough that a progress bar moves on a long prompt and that a chunk's activations stay
 # small, large enough that per-chunk overhead is negligible next to the matmuls.
 DEFAULT_PREFILL_CHUNK = 512
+
+# New tokens a dense cache is allocated for with the prompt, before it allocates as it fills.
+AHEAD = 256
 
 
 # decode_loop's hooks: pick(logits (B, vocab)) -> tokens (B,); stopped(row, the row's tokens so far).
@@ -309,7 +312,10 @@ def generate(
         cache: a ready cache (``kvcache.make_cache``) with one row per prompt, used instead;
             it is reset first and holds the final state afterwards.
         A cache that cannot evict (dense) must hold the longest prompt + max_new_tokens - 1
-        tokens; if it cannot, ``CapacityError`` is raised before anything runs.
+        tokens; if it cannot, ``CapacityError`` is raised before anything runs. A dense cache
+        allocates the prompt and a few hundred new tokens first, then more as the run reaches
+        them (at least doubling each time), each growth checked against the memory available
+        (``MemoryBudgetError``): a large max_new_tokens costs only the tokens made.
 
     Decoding (greedy by default):
         temperature: 0 is greedy (argmax); > 0 samples from softmax(logits / temperature).
@@ -347,12 +353,14 @@ def generate(
     compile: run the decode steps through a captured step (``torch.compile``, CUDA graphs on
         CUDA; see kvcache/generation/compiled.py); prefill stays eager. The capture is made on the first
         call and kept with the cache: pass the same ``cache`` to later calls to reuse it (a
-        cache made here is new each call, and so is its capture). Not with ``reserve``.
+        cache made here is new each call, and so is its capture). Not with ``reserve``. A
+        captured step needs every slot of a dense cache allocated, up front.
 
-    Errors: ``ValueError`` for bad arguments (before anything runs), ``CapacityError`` as above.
-    An error raised after the first new token (an exception from a callback, running out of
-    memory) is raised as ``GenerationError``, whose ``tokens`` holds the tokens made so far (in
-    the shape this function returns) and whose ``__cause__`` is the original error.
+    Errors: ``ValueError`` for bad arguments (before anything runs), ``CapacityError`` and
+    ``MemoryBudgetError`` as above. An error raised after the first new token (an exception from
+    a callback, running out of memory, a dense cache that cannot grow) is raised as
+    ``GenerationError``, whose ``tokens`` holds the tokens made so far (in the shape this
+    function returns) and whose ``__cause__`` is the original error.
     """
     rows, single = _as_rows(prompts)
     cfg = model.config
@@ -363,8 +371,9 @@ def generate(
     cache = _cache_for(model, rows, max_new_tokens, cache, policy, cache_length, policy_options)
     _check_prefix_store(model, cache, prefix_store, prefill_chunk, aligned)
     decode = _decode_step(model, cache, compile)
-    # Up front rather than when the decode loop gets there; the model warns once, so not again then.
-    model.warn_past_max_positions(longest + max(max_new_tokens - 1, 0))
+    # The prompts and the first new tokens, checked against the memory available before the
+    # prefill; a dense cache allocates the rest as the run reaches it.
+    cache.allocate(longest + min(max_new_tokens, AHEAD))
     cache.reset()
 
     out: list[list[int]] = [[] for _ in rows]
@@ -437,6 +446,7 @@ def _decode_step(model: Transformer, cache: KVCache, compile: bool) -> Callable[
     if not compile:
         return lambda tokens: model.decode(tokens, cache)
     check_capturable(cache)
+    allocate_for_capture(cache)  # up front: the capture itself comes after the prefill
     return lambda tokens: captured_decode(model, cache).step(tokens)
 
 

@@ -270,6 +270,7 @@ class Transformer(nn.Module):
         if tokens.dim() != 2 or tokens.shape[1] != 1:
             raise ValueError(f"decode takes one token per row, shape (batch, 1); got {tuple(tokens.shape)}")
         step = cache.begin(tokens, None, self)
+        self.warn_past_max_positions(step.span_end)
         logits = self.run(tokens, step.positions, cache, step)[:, -1]
         cache.commit(step)
         return logits
@@ -340,8 +341,9 @@ class Transformer(nn.Module):
 
     def warn_past_max_positions(self, length: int) -> None:
         """Warn, once per model, when a sequence of ``length`` tokens reaches positions beyond
-        ``max_position_embeddings``. ``forward`` calls it for every chunk; ``generate`` calls it
-        with the prompt plus the new tokens, so the warning comes before the work."""
+        ``max_position_embeddings``. ``forward`` calls it for every chunk and ``decode`` (and the
+        captured step, compile.py) for every step: it comes when such a position is computed,
+        not before (a run that stops earlier never reaches it)."""
         limit = self.config.max_position_embeddings
         if length <= limit or self._warned_positions:
             return

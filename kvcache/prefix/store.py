@@ -283,6 +283,7 @@ class PrefixStore:
         for key in pieces[0]:
             layer, _, name = key.partition(".")
             parts[int(layer.removeprefix("layer"))][name] = torch.cat([p[key] for p in pieces], dim=2)
+        cache.allocate(n)  # a dense cache's slots for the prefix, checked against the memory available
         for layer, part in zip(cache.layers, parts):
             layer.write_slots(row, part)
         cache.lengths[row] = n

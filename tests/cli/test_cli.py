@@ -554,10 +554,25 @@ def test_every_argument_error_is_one_line_in_the_documented_form(args, message, 
 
 
 def test_a_cache_too_large_for_memory_is_refused_before_allocation(capsys):
-    assert main(["generate", PROMPT, "--max-new-tokens", "1000000000"]) == 2
+    """--compile allocates the whole dense cache up front (a captured step's buffers keep their
+    size): one the machine cannot hold is refused before anything runs, saying what to lower."""
+    assert main(["generate", PROMPT, "--max-new-tokens", "1000000000", "--compile", "--quiet"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("kvcache: error: a dense cache of") and "available on cpu" in err
+    assert err.startswith("kvcache: error: growing the dense cache from") and "available on cpu" in err
+    assert "compile=True" in err and "max_new_tokens" in err
     assert "Traceback" not in err
+
+
+def test_a_large_max_new_tokens_costs_what_the_run_reaches(model_dir, capsys):
+    """Without --compile the dense cache allocates as it fills: a run that stops early holds the
+    tokens it reached, not the billion it was allowed, and reaches no position to warn about."""
+    tokenizer, free = _api(model_dir, max_new_tokens=16, stop_tokens=())
+    stop = _stop_string(tokenizer.decode(free))
+    args = ["generate", PROMPT, "--model", str(model_dir), "--max-new-tokens", "1000000000", "--stop", stop]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "warning" not in err
+    assert re.search(r"cache memory: [0-9.]+ KiB \(dense, \d+ of 10000000\d\d slots allocated\)", err), err
 
 
 def test_chat_without_a_chat_template_says_to_drop_it(capsys):
@@ -574,8 +589,8 @@ def test_kvcache_warnings_read_as_kvcache_messages(capsys):
 
 
 def test_a_warning_is_printed_on_its_own_line_under_a_progress_bar(monkeypatch):
-    """A kvcache warning raised while the prefill bar is drawn (the max-position warning comes at
-    the start of generate) clears the bar's line first, rather than continuing it."""
+    """A kvcache warning raised while the prefill bar is drawn (the max-position warning of a
+    long prompt) clears the bar's line first, rather than continuing it."""
     from tqdm import tqdm
 
     from kvcache.cli.main import _warn

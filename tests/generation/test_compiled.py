@@ -189,6 +189,39 @@ def test_a_full_dense_cache_is_rejected_before_running(tiny):
     assert cache.lengths.tolist() == [5] and torch.equal(cache.layers[0].storage.k, before)
 
 
+def test_a_dense_cache_has_every_slot_allocated_for_its_capture(tiny):
+    """A dense cache allocates as it fills; a captured step's buffers keep their size, so the
+    capture allocates them all first, and then computes what eager steps over the grown cache do."""
+    ids = ids_for(300 + 3, seed=7, vocab=VOCAB)
+    caches = [kvcache.make_cache(tiny, "dense", cache_length=600) for _ in range(2)]
+    assert [c.allocated_tokens for c in caches] == [256, 256]
+    decode = CompiledDecode(tiny, caches[0], backend="aot_eager")
+    assert caches[0].allocated_tokens == 600
+    with torch.inference_mode():
+        for cache in caches:
+            tiny(ids[:, :300], cache)
+        assert caches[1].allocated_tokens < 600  # grown as it filled, not to its cache_length
+        for i in range(3):
+            token = ids[:, 300 + i : 301 + i]
+            assert max_diff(decode(token), tiny.decode(token, caches[1])) <= atol("cache")
+
+
+def test_compile_refuses_a_cache_past_the_memory_available_up_front(tiny, monkeypatch):
+    """compile=True allocates the whole dense cache before the prefill: one that does not fit is
+    refused then, with what was asked, what it needs, what is available and what to lower."""
+    import kvcache.runtime.memory
+
+    monkeypatch.setattr(kvcache.runtime.memory, "available_bytes", lambda device: 2**20)
+    prefilled = []
+    with pytest.raises(kvcache.MemoryBudgetError) as caught:
+        kvcache.generate(tiny, ids_for(5)[0].tolist(), max_new_tokens=10**6, compile=True, stop_tokens=(),
+                         on_prefill=lambda done, total: prefilled.append(done))
+    message = str(caught.value)
+    assert f"to {5 + 10**6} tokens per row" in message and "1.0 MiB available" in message
+    assert "compile=True" in message and "max_new_tokens" in message
+    assert prefilled == []
+
+
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="needs KVCACHE_TEST_DEVICE=cuda")
 @pytest.mark.parametrize("name", ["dense", "window", "sink", "h2o", "tova", "snapkv", "dense:int8"])
 def test_decode_steps_do_not_synchronise_with_the_host_on_cuda(tiny, name):

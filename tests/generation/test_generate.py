@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -313,20 +314,98 @@ def test_error_after_tokens_keeps_them(llama):
     assert caught.value.tokens == free[0][:6]
 
 
-def test_positions_past_training_warn_up_front(llama_ckpt, tmp_path):
+def test_positions_past_training_warn_when_reached(llama_ckpt, tmp_path):
+    """The warning comes with the step that computes a position past max_position_embeddings,
+    not when the cache is made for the most a run may reach: a run that stops before gets none."""
     path = tmp_path / "short"
     shutil.copytree(llama_ckpt.path, path)
     cfg = json.loads((path / "config.json").read_text())
     cfg["max_position_embeddings"] = 16
     (path / "config.json").write_text(json.dumps(cfg))
     model = kvcache.load(path, device=DEVICE)
-    kvcache.generate(model, random_ids(10)[0].tolist(), max_new_tokens=7, stop_tokens=())  # 16 positions: fine
-    warned_at_prefill = []
-    with pytest.warns(UserWarning, match="max_position_embeddings=16") as record:
-        kvcache.generate(model, random_ids(10)[0].tolist(), max_new_tokens=8, stop_tokens=(),
-                         on_prefill=lambda d, t: warned_at_prefill.append(len(record)))
-    assert warned_at_prefill == [1]  # before the prompt ran, not when decoding got there
+    prompt = random_ids(10)[0].tolist()
+    free = kvcache.generate(model, prompt, max_new_tokens=7, stop_tokens=())  # 16 positions: fine
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        # Stops at free[3]'s first occurrence, at position 13 or before, with room for a million.
+        early = kvcache.generate(model, prompt, max_new_tokens=10**6, stop_tokens=(free[3],))
+    assert early == free[: free.index(free[3]) + 1]
+    assert [w for w in record if "max_position_embeddings" in str(w.message)] == []
+    warned_at_token = []
+    with pytest.warns(UserWarning, match="position 16, beyond the model's max_position_embeddings=16") as record:
+        kvcache.generate(model, prompt, max_new_tokens=8, stop_tokens=(),
+                         on_token=lambda row, token: warned_at_token.append(len(record)))
+    # The 7th new token is fed back at position 16: the step that makes the 8th warns.
+    assert warned_at_token == [0] * 7 + [1]
     assert len(record) == 1
+
+
+# --- a dense cache allocated as the run reaches it ---------------------------------------------
+
+# Distinct tokens: a repetition penalty this strong makes greedy decoding avoid every token seen,
+# so that the token at index k first occurs there and, as a stop token, ends a run at k + 1 tokens.
+DISTINCT = 1e4
+REACHED = 600  # new tokens of the reference: past the first slots (FIRST_SLOTS) and a growth or two
+
+
+@pytest.fixture(scope="module")
+def grown_reference(tiny):
+    """(prompt, tokens) of a run whose dense cache had every slot allocated up front."""
+    prompt = random_ids(6, seed=3)[0].tolist()
+    cache = kvcache.make_cache(tiny, cache_length=len(prompt) + REACHED)
+    cache.allocate()
+    tokens = kvcache.generate(tiny, prompt, max_new_tokens=REACHED, cache=cache, stop_tokens=(),
+                              repetition_penalty=DISTINCT)
+    assert len(set(tokens)) == REACHED
+    return prompt, tokens
+
+
+def _bytes_per_token(model) -> int:
+    """A dense cache's bytes per token and row at full precision, positions as int32 (the widest)."""
+    cfg = model.config
+    return cfg.num_layers * (2 * cfg.num_kv_heads * cfg.head_dim * model.embed_tokens.weight.element_size() + 4)
+
+
+def test_a_huge_max_new_tokens_allocates_what_the_run_reaches(tiny, grown_reference):
+    prompt, reference = grown_reference
+    stop = reference[-1]
+    cache = kvcache.make_cache(tiny, cache_length=len(prompt) + 10**7)  # what generate makes
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        out = kvcache.generate(tiny, prompt, max_new_tokens=10**7, cache=cache, stop_tokens=(stop,),
+                               repetition_penalty=DISTINCT)
+        default = kvcache.generate(tiny, prompt, max_new_tokens=10**7, stop_tokens=(stop,),
+                                   repetition_penalty=DISTINCT)
+    assert out == default == reference  # bitwise the run whose cache was allocated up front
+    # The run held the prompt and all but its last token; the cache grew at most to twice that.
+    reached = len(prompt) + REACHED - 1
+    assert cache.lengths.tolist() == [reached]
+    assert reached <= cache.allocated_tokens < 2 * reached
+    assert cache.nbytes() < 2 * reached * _bytes_per_token(tiny)  # 10**7 tokens would take 2.6 GB
+    # The model's 4096 positions were never passed: no warning, though 10**7 were allowed for.
+    assert [w for w in record if "max_position_embeddings" in str(w.message)] == []
+
+
+def test_a_growth_past_the_memory_available_is_refused_with_the_tokens_made(tiny, grown_reference, monkeypatch):
+    """A growth the device cannot hold raises before allocating; generate's GenerationError keeps
+    the tokens made, which are the reference's, and the cache holds what it held."""
+    import kvcache.runtime.memory
+
+    prompt, reference = grown_reference
+    # Room for the first growths, not for one past about 700 tokens.
+    monkeypatch.setattr(kvcache.runtime.memory, "available_bytes", lambda device: 700 * _bytes_per_token(tiny))
+    cache = kvcache.make_cache(tiny, cache_length=len(prompt) + 10**7)
+    with pytest.raises(GenerationError, match="generation failed after") as caught:
+        kvcache.generate(tiny, prompt, max_new_tokens=10**7, cache=cache, stop_tokens=(),
+                         repetition_penalty=DISTINCT)
+    cause = caught.value.__cause__
+    assert isinstance(cause, kvcache.MemoryBudgetError)
+    assert "growing the dense cache from" in str(cause) and "available on" in str(cause)
+    assert "max_new_tokens" in str(cause)  # what to lower
+    made = caught.value.tokens
+    assert 0 < len(made) < REACHED and made == reference[: len(made)]
+    # The refused step needed one slot more than allocated: the cache holds every token it held.
+    assert cache.lengths.tolist() == [cache.allocated_tokens] == [len(prompt) + len(made) - 1]
 
 
 # --- repetition penalty ------------------------------------------------------------------------

@@ -120,6 +120,28 @@ def test_default_reuse_gives_the_same_tokens(model, policy):
     assert (a - b).abs().max().item() <= atol("cache")
 
 
+def test_a_dense_prefix_past_the_first_slots_reuses_bitwise(model):
+    """A dense cache allocates its slots as it fills: a stored prefix longer than the slots a cache
+    starts with is restored into a cache allowed a million tokens (allocating what it restores),
+    and the run gives bitwise the logits of one without the store, holding little more."""
+    long = _ids(300, seed=5)
+    prompts = [long + _ids(n, seed=20 + n) for n in (7, 33)]
+    store = PrefixStore(model)
+    with torch.inference_mode():
+        prefill(model, kvcache.make_cache(model, cache_length=400), [long + [5]], chunk=CHUNK, store=store,
+                aligned=True)
+    assert store.reusable(prompts[0]) == 300 // CHUNK * CHUNK
+
+    def run(store):
+        cache = kvcache.make_cache(model, cache_length=10**6, batch_size=2)
+        with torch.inference_mode():
+            return prefill(model, cache, prompts, chunk=CHUNK, store=store, aligned=True), cache
+
+    (ref, _), (got, cache) = run(None), run(store)
+    assert torch.equal(ref, got)
+    assert cache.allocated_tokens < 2 * 333
+
+
 def test_dense_rows_reuse_different_lengths(model):
     """One batch: a row with nothing stored, one reusing part of a stored prompt, one reusing a
     whole stored prompt and the generated tokens after it."""

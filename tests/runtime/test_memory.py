@@ -85,6 +85,7 @@ def test_chunked_long_prefill_memory_is_bounded(checkpoint_factory):
 
 def test_cache_bytes_match_geometry(llama):
     import kvcache
+    from kvcache.cache.policies.dense import FIRST_SLOTS
     from kvcache.cache.positions import position_dtype
 
     cfg = llama.config
@@ -92,6 +93,9 @@ def test_cache_bytes_match_geometry(llama):
     # Keys and values at float32, and each slot's position in the narrowest type holding T positions.
     position = torch.tensor([], dtype=position_dtype(T)).element_size()
     per_slot = 2 * cfg.num_kv_heads * cfg.head_dim * 4 + position
+    # A dense cache allocates its first slots when made, the others as it fills (or when asked).
+    assert cache.nbytes() == cfg.num_layers * (FIRST_SLOTS + 1) * per_slot
+    cache.allocate()
     assert cache.nbytes() == cfg.num_layers * (T + 1) * per_slot
     assert cache.nbytes() < 16 * MIB
     assert cache.layers[0].storage.k.dtype == torch.float32

@@ -7,11 +7,18 @@ import torch
 from ... import kernels
 from ...kernels import attention
 from ..base import CacheSpec, LayerCache, Step, capacity_error
+from ..snapshot import check_tensors, is_positions
 from ..storages import make_storage
+
+# Slots a dense layer allocates when made (all of them if its cache_length is smaller). It
+# allocates more as it fills (``KVCache.allocate``), so that a cache_length set far beyond what a
+# run reaches costs only what the run holds. (A storage that cannot grow, KIVI's, has every slot.)
+FIRST_SLOTS = 256
 
 
 class DenseCache(LayerCache):
-    """Appends every token; a chunk that would exceed ``cache_length`` is rejected."""
+    """Appends every token; a chunk that would exceed ``cache_length`` is rejected. Slots are
+    allocated as the cache fills: ``cache_length`` is the most it may grow to."""
 
     name = "dense"
     description = "keep every token (exact; fails when cache_length is exceeded)"
@@ -22,11 +29,27 @@ class DenseCache(LayerCache):
     def __init__(self, spec: CacheSpec, options: object = None) -> None:
         super().__init__(spec, options)
         # Position p lives in slot p < cache_length: positions take the narrowest type holding them.
-        self.storage = make_storage(spec, limit=spec.cache_length)
+        self.storage = make_storage(spec, limit=spec.cache_length, slots=FIRST_SLOTS)
 
     def check(self, step: Step) -> None:
         if step.span_end > self.spec.cache_length:
             raise capacity_error(step, self.spec.cache_length, self.name)
+
+    def allocated(self) -> int:
+        return self.storage.k.shape[2] - 1
+
+    def grow(self, tokens: int) -> None:
+        slots = min(tokens, self.spec.cache_length)
+        if slots > self.allocated():
+            self.storage.grow(slots)
+
+    def nbytes_at(self, tokens: int) -> int:
+        slots = min(tokens, self.spec.cache_length)
+        held = self.allocated()
+        if slots <= held:
+            return self.nbytes()
+        # Every buffer of a storage that grows is laid out per slot: its bytes scale with the slots.
+        return self.nbytes() // (held + 1) * (slots + 1)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
         if step.decode:
@@ -43,13 +66,13 @@ class DenseCache(LayerCache):
         readback = store.exact_roundtrip and (T > 1 or not store.packed)
         # A quantized chunk is read back from its codes once written (below); one wider than the
         # cache's slots (padding past them) before, as storing it will code it.
-        early = readback and (not store.packed or (step.fresh and T > self.spec.cache_length))
+        early = readback and (not store.packed or (step.fresh and T > self.allocated()))
         if early:
             k, v = store.roundtrip(k, v)  # storing them below stores the codes computed here
         if step.uniform:
             store.write_slice(step.start0, k, v, step.positions)
         else:
-            store.write(step.append_slot, k, v, step.positions)
+            store.write(self._append_slots(step), k, v, step.positions)
             # Padding went to the scratch slot: it holds no token (as after an evicting cache's write).
             store.empty_scratch()
         if step.fresh and readback:
@@ -72,18 +95,23 @@ class DenseCache(LayerCache):
         return attention.masked(q, ks, vs, step.positions, pos, window=self.spec.sliding_window, all_visible=all_visible,
                                 scores=self.spec.scores)
 
+    def _append_slots(self, step: Step) -> torch.Tensor:
+        """(B, T) the slot of each token of a chunk: its position, and padding's the scratch slot,
+        which the step names as slot ``cache_length`` and is the last of the slots allocated."""
+        held = self.allocated()
+        return step.append_slot if held == self.spec.cache_length else step.append_slot.clamp(max=held)
+
     def decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step) -> torch.Tensor:
         # Position p lives in slot p. A captured step attends every slot, the empty and future
         # ones masked, so its shapes never change (the caller has checked that every position
-        # fits); an eager step attends the slots any row has filled, and rows filled alike
-        # (within the model's window) need no mask.
-        C = self.spec.cache_length
+        # fits, and allocated every slot: ``KVCache.allocate``); an eager step attends the slots
+        # any row has filled, and rows filled alike (within the model's window) need no mask.
         if step.uniform:
             # Every row writes slot start0: a slice, cheaper than a scatter per buffer.
             self.storage.write_slice(step.start0, k, v, step.positions)
         else:
             self.storage.write(step.positions, k, v, step.positions)
-        span = step.span_end if step.known else C
+        span = step.span_end if step.known else self.allocated()
         ks, vs, pos = self.storage.view(span)
         if step.uniform and (self.spec.sliding_window is None or span <= self.spec.sliding_window):
             visible = None
@@ -97,14 +125,14 @@ class DenseCache(LayerCache):
         so that any prefix of a stored row can be cut out of it: a token's bits do not depend on
         where it is placed, and every storage buffer is laid out per slot (neither is true of
         KIVI's per-channel key groups and residual: such a cache stores whole snapshots)."""
-        slots = self.spec.cache_length + 1
+        slots = self.allocated() + 1
         per_slot = all(t.dim() >= 3 and t.shape[2] == slots for t in self.state().values())
         return self.storage.exact_roundtrip and per_slot
 
     def read_slots(self, row: int, start: int, stop: int) -> dict[str, torch.Tensor]:
         """Copies of row ``row``'s slots [start, stop), which hold positions start..stop-1: every
         storage buffer but the positions, name -> (1, Hkv, stop - start, ...)."""
-        slots = self.spec.cache_length + 1
+        slots = self.allocated() + 1
         parts = {}
         for name, t in self.state().items():
             if t.dim() < 3 or t.shape[2] != slots:
@@ -128,11 +156,39 @@ class DenseCache(LayerCache):
             if t.dtype != live.dtype or tuple(t.shape) != (1, *live.shape[1:2], n, *live.shape[3:]):
                 raise ValueError(f"{name}: slots of {t.dtype} {tuple(t.shape)} do not fit {live.dtype} "
                                  f"(1, {live.shape[1]}, {n}, ...)")
+        self.grow(n)
+        state = self.state()
         for name, t in parts.items():
             state[name][row : row + 1, :, :n].copy_(t)
         pos = self.storage.pos
         pos[row, :, :n] = torch.arange(n, device=pos.device)
         pos[row, :, n:] = -1
+
+    # ----- snapshots: a row's slots past its tokens hold nothing, so a snapshot of another
+    # cache's allocation restores here (as many slots as both have, the rest emptied) --------
+    def check_state(self, state, rows: int) -> None:
+        if not self.storage.grows:
+            return super().check_state(state, rows)
+        slots = {t.shape[2] for t in state.values() if isinstance(t, torch.Tensor) and t.dim() >= 3}
+        live = self.state()
+        if len(slots) == 1 and 0 < min(slots) <= self.spec.cache_length + 1:
+            # The layer's buffers as they would be with the snapshot's slots (nothing allocated).
+            live = {name: torch.empty((*t.shape[:2], min(slots), *t.shape[3:]), dtype=t.dtype, device="meta")
+                    for name, t in live.items()}
+        check_tensors(live, state, rows, f"the {self.name} layer")
+
+    def load_state(self, state, rows: torch.Tensor) -> None:
+        if not self.storage.grows:
+            return super().load_state(state, rows)
+        # Slot p holds position p: the rows' tokens take slots up to their highest position.
+        self.grow(int(state["storage.pos"].max()) + 1)
+        for name, t in state.items():
+            live = self.state()[name]
+            n = min(t.shape[2], live.shape[2]) - 1  # slots both have, the scratch slot aside
+            index = rows.to(live.device)
+            # (Positions of another integer type, checked to fit: an older snapshot's int64.)
+            live[:, :, :n].index_copy_(0, index, t[:, :, :n].to(live.device, live.dtype))
+            live[:, :, n:-1].index_fill_(0, index, -1 if is_positions(name) else 0)
 
     def reset(self) -> None:
         self.storage.reset()

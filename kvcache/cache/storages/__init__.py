@@ -2,7 +2,9 @@
 
 Every buffer has ``cache_length + 1`` slots. The last one is a scratch slot that absorbs the
 writes of padding tokens, so a ragged chunk is written with one index operation and no
-data-dependent shapes; attention never reads it.
+data-dependent shapes; attention never reads it. (A storage that ``grows`` may be built with
+fewer slots than the cache's ``cache_length`` and given more as the cache fills: the dense
+cache's, ``make_storage(slots=...)``.)
 
 A policy decides which tokens stay, a storage how their bits are kept: ``make_storage`` builds
 the storage named by ``CacheSpec.storage`` (see ``STORAGES`` and ``parse_storage``), and every
@@ -17,6 +19,7 @@ storage keeps. Adding a storage is one file here, plus its kernel if attention r
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import pkgutil
@@ -54,6 +57,9 @@ class Storage(Protocol):
       * ``keeps_in_place``: the storage keeps more of its bits when a ``keep`` leaves kept
         slots where they are (``in_place`` says where each candidate goes then); others take
         candidates in any order.
+      * ``grows``: every buffer is laid out per slot (dimension 2), and ``grow(slots)`` gives
+        it more slots, keeping the ones it has (full, token); a storage whose buffers depend on
+        the slot count (KIVI's key groups) has all its slots from the start.
     """
 
     pos: torch.Tensor
@@ -62,6 +68,7 @@ class Storage(Protocol):
     packed: bool
     exact_roundtrip: bool
     keeps_in_place: bool
+    grows: bool
 
     @classmethod
     def build(cls, spec: CacheSpec, bits: int, group: int | None, per_head: bool = False,
@@ -101,6 +108,10 @@ class Storage(Protocol):
 
     def roundtrip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v (B, Hkv, T, D) as a chunk attends them before they are placed."""
+
+    def grow(self, slots: int) -> None:
+        """Hold ``slots`` slots (no fewer than now) and the scratch slot after them: the slots
+        held keep their contents, the new ones are empty (a storage that ``grows``)."""
 
     def reset(self) -> None:
         """Empty every slot."""
@@ -223,12 +234,18 @@ def in_place(index: torch.Tensor, stored: int, live: torch.Tensor | None = None)
     return placed, rank
 
 
-def make_storage(spec: CacheSpec, per_head: bool = False, limit: int | None = None) -> Storage:
+def make_storage(spec: CacheSpec, per_head: bool = False, limit: int | None = None,
+                 slots: int | None = None) -> Storage:
     """The slot buffers named by ``spec.storage``; ``per_head``: one position per K/V head;
     ``limit``: every position a slot will hold is below it (a cache that keeps every token: its
-    ``cache_length``), so positions take a narrower type (positions.py); None: any position."""
+    ``cache_length``), so positions take a narrower type (positions.py); None: any position.
+    ``slots``: where the layout ``grows``, the slots to allocate now (at most ``cache_length``;
+    ``grow`` adds the others when they are needed); None, or a layout that does not grow: all."""
     kind = check_storage(spec.storage, spec.head_dim)
-    store = LAYOUTS[kind.layout].build(spec, kind.bits, kind.group, per_head, limit)
+    cls = LAYOUTS[kind.layout]
+    if slots is not None and cls.grows:
+        spec = dataclasses.replace(spec, cache_length=min(slots, spec.cache_length))
+    store = cls.build(spec, kind.bits, kind.group, per_head, limit)
     if spec.scores is not None and store.packed and not store.exact_roundtrip:
         # A chunk over such a layout is attended by the storage's own kernel (its keys change layout
         # as a group fills), which applies no soft cap or sink logits.

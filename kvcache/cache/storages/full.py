@@ -6,7 +6,7 @@ import torch
 
 from .. import positions as _positions
 from ..base import CacheSpec
-from ..slots import put
+from ..slots import put, widen
 
 
 class FullStorage:
@@ -22,6 +22,8 @@ class FullStorage:
     exact_roundtrip = True
     # Slots hold what they are given, wherever it lands.
     keeps_in_place = False
+    # Every buffer is laid out per slot, so more slots can be added (``grow``).
+    grows = True
 
     @staticmethod
     def describe(bits: int | None = None) -> str:
@@ -37,6 +39,11 @@ class FullStorage:
         self.k = torch.zeros(B, H, C + 1, D, dtype=spec.dtype, device=spec.device)
         self.v = torch.zeros_like(self.k)
         self.pos = _positions.empty((B, H if per_head else 1, C + 1), limit, spec.device)
+
+    def grow(self, slots: int) -> None:
+        """Hold ``slots`` slots (at least C) and the scratch slot after them: slots [0, C) keep
+        their contents, the new ones are empty."""
+        self.k, self.v, self.pos = widen(self.k, slots, 0), widen(self.v, slots, 0), widen(self.pos, slots, -1)
 
     def write_slice(self, start: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """Write k, v: (B, Hkv, T, D) at slots [start, start + T) of every row; positions: (B, T)."""

@@ -68,6 +68,8 @@ class KiviStorage(TokenStorage):
     exact_roundtrip = False
     # A per-channel key that moves is re-quantized per token (``keep``): survivors should stay.
     keeps_in_place = True
+    # Key groups (``k_channel``) and which of them are cut short are laid out for the cache_length.
+    grows = False
     # Slots per key group, when the name does not say.
     default_group = 64
 

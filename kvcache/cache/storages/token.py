@@ -15,7 +15,7 @@ from ...quant.codes import SLICE_ELEMENTS, decode_tokens, encode_tokens
 from ...quant.packed import PackedKeys, PackedValues, after
 from .. import positions as _positions
 from ..base import CacheSpec
-from ..slots import put
+from ..slots import put, widen
 
 
 class TokenStorage:
@@ -34,6 +34,8 @@ class TokenStorage:
     exact_roundtrip = True
     # A token's codes do not depend on its slot.
     keeps_in_place = False
+    # Every buffer is laid out per slot, so more slots can be added (``grow``).
+    grows = True
 
     @staticmethod
     def describe(bits: int) -> str:
@@ -139,6 +141,14 @@ class TokenStorage:
         stop = start + T
         return self.decode(self.k[:, :, start:stop], self.k_meta[:, :, start:stop]), \
             self.decode(self.v[:, :, start:stop], self.v_meta[:, :, start:stop])
+
+    def grow(self, slots: int) -> None:
+        """Hold ``slots`` slots (at least C) and the scratch slot after them: slots [0, C) keep
+        their codes, the new ones are empty."""
+        if not self.grows:
+            raise TypeError(f"{type(self).__name__} lays out buffers for its cache_length: it cannot grow")
+        self.k, self.v, self.k_meta, self.v_meta = (widen(buf, slots, 0) for buf in self._buffers())
+        self.pos = widen(self.pos, slots, -1)
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         """Write token t of row b to slot ``slots[b, t]`` (shared by heads); positions: (B, T)."""

@@ -247,3 +247,64 @@ def test_make_cache_geometry(model_factory):
     assert k.shape[0] == 3 and k.shape[1] == 2 and k.shape[3] == 24  # GQA heads, explicit head_dim
     assert model_factory("mistral_window").config.sliding_window == 8
     assert kvcache.make_cache(model_factory("mistral_window"), cache_length=4).spec.sliding_window == 8
+
+
+# ----- slots allocated as the cache fills --------------------------------------------------------
+
+
+def _ragged_then_decode(model, cache, ids, lengths, chunk=100, steps=3):
+    """Logits of ``ids`` (B, T) fed in ragged chunks of ``chunk`` (row b stops at ``lengths[b]``,
+    the rest of its chunks padding), then ``steps`` decode steps: (B, chunks + steps, vocab)."""
+    outs = []
+    with torch.inference_mode():
+        for start in range(0, max(lengths), chunk):
+            n = [max(0, min(chunk, L - start)) for L in lengths]
+            outs.append(model(ids[:, start : start + chunk], cache, n_tokens=n, last_only=True)[:, 0])
+        for i in range(steps):
+            outs.append(model.decode(ids[:, i : i + 1], cache))
+    return torch.stack(outs, dim=1)
+
+
+@pytest.mark.parametrize("storage", ["full", "int8", "token4"])
+def test_a_cache_allocated_as_it_fills_computes_what_one_allocated_up_front_does(llama, storage):
+    """Bitwise, through ragged chunks (whose padding goes to the scratch slot, the last of the slots
+    allocated) and decode steps; it allocates a small multiple of what it holds."""
+    ids = random_ids(700, batch=2, seed=8)
+    lengths = [700, 430]
+    grown = kvcache.make_cache(llama, f"dense:{storage}", cache_length=5000, batch_size=2)
+    whole = kvcache.make_cache(llama, f"dense:{storage}", cache_length=5000, batch_size=2)
+    whole.allocate()
+    assert grown.allocated_tokens < 5000 == whole.allocated_tokens
+    got = _ragged_then_decode(llama, grown, ids, lengths)
+    assert torch.equal(got, _ragged_then_decode(llama, whole, ids, lengths))
+    assert 703 <= grown.allocated_tokens < 2 * 703 and grown.nbytes() < whole.nbytes() / 3
+    if storage == "full":
+        with torch.inference_mode():
+            plain = llama(ids[:1, :700])[0, -1]
+        assert max_diff(got[0, 6], plain) <= ATOL  # the last chunk's logits: position 699
+
+
+def test_a_snapshot_restores_into_a_cache_of_another_allocation(llama):
+    """A snapshot has the slots its cache had allocated: it restores into a cache with fewer (which
+    allocates the rows' tokens) or more (whose slots past the rows' tokens are emptied), and each
+    continues bitwise as the original does."""
+    ids = random_ids(900, seed=9)
+    source = kvcache.make_cache(llama, cache_length=2000)
+    with torch.inference_mode():
+        llama(ids[:, :300], source)
+        llama(ids[:, 300:600], source)  # past 512 slots: 1024 allocated
+    snap = source.snapshot()
+    fewer = source.empty_like()
+    more = kvcache.make_cache(llama, cache_length=2000)
+    more.allocate()
+    with torch.inference_mode():
+        llama(random_ids(900, seed=10), more)  # a longer row, to be replaced
+    fewer.restore(snap)
+    more.restore(snap)
+    assert fewer.allocated_tokens == 600 < source.allocated_tokens < more.allocated_tokens
+    assert bool((more.layers[0].storage.pos[0, 0, 600:] == -1).all())
+    outs = []
+    for cache in (source, fewer, more):
+        with torch.inference_mode():
+            outs.append(torch.cat([llama(ids[:, 600:650], cache)[:, -1], llama.decode(ids[:, 650:651], cache)]))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])

@@ -1,7 +1,8 @@
 """A quantized cache never holds more bytes than full precision at the same cache_length: the
 ``int<bits>`` storages hold full precision where their codes (with scales, and KIVI's
 full-precision residual) would take more, and say so (``stored_as``, the generate summary,
-``kvcache policies``)."""
+``kvcache policies``). Compared with every slot allocated (``allocated``): a dense cache
+allocates its slots as it fills."""
 
 from __future__ import annotations
 
@@ -20,6 +21,12 @@ LENGTHS = (8, 32, 128, 512, 4096)
 FLOORS = ("h2o:int4", "dense:int4", "h2o:int2", "dense:int8")
 
 
+def allocated(cache: kvcache.KVCache) -> kvcache.KVCache:
+    """``cache`` with every slot allocated (a dense cache's, which it would allocate as it fills)."""
+    cache.allocate()
+    return cache
+
+
 @pytest.fixture(scope="module")
 def bundled():
     # float32 on every device: the bounds below are against float32's bytes (on CUDA load's
@@ -36,8 +43,8 @@ def test_quantized_bytes_never_exceed_full_precision(bundled, llama, dtype, batc
         for name in FLOORS:
             policy, _, _ = name.partition(":")
             for length in LENGTHS:
-                full = kvcache.make_cache(model, policy, cache_length=length, batch_size=batch).nbytes()
-                quantized = kvcache.make_cache(model, name, cache_length=length, batch_size=batch)
+                full = allocated(kvcache.make_cache(model, policy, cache_length=length, batch_size=batch)).nbytes()
+                quantized = allocated(kvcache.make_cache(model, name, cache_length=length, batch_size=batch))
                 assert quantized.nbytes() <= full, (model.config.head_dim, dtype, batch, name, length)
 
 
@@ -46,9 +53,9 @@ def test_a_large_cache_holds_codes(bundled, name):
     """The fallback is for small caches only: at 4096 slots the codes are held, at well under
     full precision's bytes."""
     policy = name.partition(":")[0]
-    cache = kvcache.make_cache(bundled, name, cache_length=4096)
+    cache = allocated(kvcache.make_cache(bundled, name, cache_length=4096))
     assert stored_as(cache) is None and cache.spec.storage == name.partition(":")[2]
-    assert cache.nbytes() < 0.4 * kvcache.make_cache(bundled, policy, cache_length=4096).nbytes()
+    assert cache.nbytes() < 0.4 * allocated(kvcache.make_cache(bundled, policy, cache_length=4096)).nbytes()
 
 
 @pytest.mark.parametrize("name", ["h2o:int4", "dense:int2", "sink:int4"])
@@ -57,12 +64,12 @@ def test_the_switch_is_at_the_break_even_length(bundled, name):
     (and says so), and there the codes would have taken more bytes than it."""
     n = break_even(bundled, name)
     assert n is not None and n > 8
-    below = kvcache.make_cache(bundled, name, cache_length=n - 1)
+    below = allocated(kvcache.make_cache(bundled, name, cache_length=n - 1))
     at = kvcache.make_cache(bundled, name, cache_length=n)
     assert stored_as(below) == "full" and below.spec.storage == "full"
     assert stored_as(at) is None
     named_layout = name.replace(":int", ":kivi")  # a layout named outright is built as named
-    assert kvcache.make_cache(bundled, named_layout, cache_length=n - 1).nbytes() > below.nbytes()
+    assert allocated(kvcache.make_cache(bundled, named_layout, cache_length=n - 1)).nbytes() > below.nbytes()
     assert break_even(bundled, "h2o:int8") == 1 and break_even(bundled, "h2o:kivi4") is None
 
 
