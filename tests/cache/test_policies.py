@@ -141,8 +141,10 @@ class PolicyChecker:
                     elif self.case.startswith("sink"):
                         assert held == expected_sink_positions(L, C, opts["sinks"])
                     elif self.case.startswith("snapkv"):
-                        if T > 1:
-                            # A multi-token chunk keeps its observation window (its last real tokens).
+                        if n[b] > 1:
+                            # A row adding several tokens keeps its observation window (its last
+                            # real tokens); one adding a single token decodes, as it would alone
+                            # (the fallback may then evict that token).
                             window = set(range(L - min(opts["window"], n[b]), L))
                             assert window <= set(held), f"row {b}: {held} lacks {sorted(window)}"
                     else:

@@ -202,3 +202,19 @@ def test_decode_rejects_renumbered_sinks_with_weights():
     q, k = torch.randn(1, 4, 1, 8, device=DEVICE), torch.randn(1, 2, 5, 8, device=DEVICE)
     with pytest.raises(ValueError, match="q_sink"):
         attention.decode(q, k, k, None, q_sink=q, sink_slots=2, want_mass=True)
+
+
+@pytest.mark.parametrize("Hq,Hkv", [(4, 4), (4, 2), (6, 1)])
+@pytest.mark.parametrize("S,T", [(0, 5), (1, 1), (7, 5), (40, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_chunk_after_a_contiguous_prefix_is_the_masked_attention(Hq, Hkv, S, T, dtype):
+    """after_prefix (the prefix unmasked and the chunk causal, merged by log-sum-exp) against
+    the naive reference over the same span, and against ``masked``, the path it stands for."""
+    q, k, v = (x.to(dtype) for x in _qkv(2, Hq, Hkv, T, S + T, seed=S + T))
+    out = attention.after_prefix(q, k[:, :, :S], v[:, :, :S], k[:, :, S:], v[:, :, S:])
+    pos = torch.arange(S + T, device=DEVICE).expand(2, -1)
+    want = _reference(q.float(), k.float(), v.float(), pos[:, S:], pos)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert torch.allclose(out.float(), want, atol=atol("cache", dtype))
+    masked = attention.masked(q, k, v, pos[:, S:], pos[:, None])
+    assert torch.allclose(out.float(), masked.float(), atol=atol("cache", dtype))

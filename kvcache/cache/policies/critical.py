@@ -66,9 +66,10 @@ class CriticalCache(EvictingCache):
         base = lookup(options.base)
         # The base is a scorer here: a policy of this budget, with the options its paper sets
         # for it, built on the meta device (its slots allocate nothing). This cache holds the
-        # tokens and their statistics; the base scores them from the candidates alone.
+        # tokens and their statistics, and its own reserve and blocks (what a row keeps reaches
+        # the base as ``Candidates.keeps``); the base scores them from the candidates alone.
         settings = base.Options(**base.options_for_budget(spec.cache_length))
-        self.base = base(dataclasses.replace(spec, device=torch.device("meta")), settings)
+        self.base = base(dataclasses.replace(spec, device=torch.device("meta"), reserve=0, block=1), settings)
         self.stat_names = self.base.stat_names
         self.needs_attention = self.base.needs_attention
         self.observe_every_step = self.base.observe_every_step
