@@ -169,6 +169,10 @@ def _rate(tokens: int, seconds: float) -> str:
     return "n/a" if rate is None else f"{rate:.1f} tok/s"
 
 
+def _duration(seconds: float) -> str:
+    return f"{seconds * 1000:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
 def _read_prompts(args: argparse.Namespace) -> list[str]:
     if args.prompts_file is not None:
         if args.prompt is not None:
@@ -465,7 +469,8 @@ def _print_summary(ids, new, clock: Clock, end: float, cache) -> None:
                 "see kvcache policies")
     print(
         f"{batch}prompt tokens: {sum(map(len, ids))} | new tokens: {sum(map(len, new))} | "
-        f"prefill: {_rate(sum(map(len, ids)), clock.prefill_s(end))} | {compiled}decode: {_rate(decoded, decode_s)}"
+        f"prefill: {_rate(sum(map(len, ids)), clock.prefill_s(end))}, first token after {_duration(clock.prefill_s(end))} | "
+        f"{compiled}decode: {_rate(decoded, decode_s)}"
         f"{on_cpu} | cache memory: {human(cache.nbytes())} ({held})",
         file=sys.stderr,
     )

@@ -37,3 +37,15 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Ten
             return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
                                                   enable_gqa=enable_gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=enable_gqa)
+
+
+def with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False
+             ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Attention and its log-sum-exp from one fused call, or None where no fused kernel returns
+    both here (only the CPU's flash kernel is used: its log-sum-exp is what its own softmax
+    divided by). q (B, H, T, D), k, v (B, H, S, D), the same head count (no grouping) ->
+    ((B, H, T, D), (B, H, T) float32). With ``is_causal`` query t sees keys [0, t]."""
+    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16, torch.float16) or q.requires_grad:
+        return None
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal)
+    return out, lse

@@ -349,6 +349,8 @@ def test_stop_string_ends_generation_and_is_not_printed(model_dir, capsys):
     assert out == text[: text.find(stop)] + "\n"
     new_tokens = int(err.split("new tokens: ")[1].split()[0])
     assert new_tokens < len(free)  # generation stopped, not just the printing
+    ttft = err.split("first token after ")[1].split()  # the time to the first token
+    assert float(ttft[0]) > 0 and ttft[1] in ("ms", "s")
 
 
 def test_text_stream_holds_back_a_possible_stop_string():
