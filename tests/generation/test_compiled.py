@@ -323,7 +323,14 @@ def test_captured_step_reads_and_writes_static_addresses_only(tiny, name, option
     assert cache.lengths.tolist() == [16, 13] and cache.device_lengths.tolist() == [16, 13]
 
 
-@pytest.mark.parametrize("name,options", CASES, ids=lambda x: str(x))
+# One case per path a captured step writes the cache through: the dense append, the ring, the
+# evicting cache's victim slot (every scoring policy writes through it, so h2o and snapkv stand
+# for the rest), and each storage's writes (full, token8, KIVI's groups and residual).
+WRITE_PATHS = [("dense", {}), ("window", {}), ("sink", {"sinks": 2, "positions": "absolute"}), ("h2o", {}),
+               ("snapkv", {}), ("dense:int8", {}), ("window:int8", {}), ("h2o:kivi4", {"recent": 2})]
+
+
+@pytest.mark.parametrize("name,options", WRITE_PATHS, ids=lambda x: str(x))
 def test_captured_step_writes_no_cache_buffer_through_a_scatter(tiny, name, options):
     """The step's writes into the cache are ones inductor makes in place (kvcache/cache/slots.py).
     In the graph inductor receives (functionalized, a written input copied back at the end), a
