@@ -237,18 +237,6 @@ def make_cache(
     _check_reserve(cls, reserve, min(sizes, default=0))
     check_block(block, policy_name, cls.evicts, min(sizes, default=0) - reserve)
 
-    def where(i: int, size: int) -> str:
-        """How a layer's (or head's) size came from what the user asked, for error messages."""
-        parts = []
-        if isinstance(requested, float):
-            parts.append(f"cache_length={requested} of a {prompt_length}-token prompt is {tokens} "
-                         f"token{'s' if tokens != 1 else ''}")
-        if head_budgets is not None:
-            parts.append(f"layer {i} has head budgets {head_budgets[i]}")
-        elif allocation != "uniform":
-            parts.append(f"allocation={allocation!r} gives layer {i} {size} of cache_length={tokens}")
-        return f" ({'; '.join(parts)})" if parts else ""
-
     def build_layers(device: torch.device | None, storage: str = storage) -> list[LayerCache]:
         layers = []
         for i, budget in enumerate(budgets):
@@ -263,7 +251,8 @@ def make_cache(
             try:
                 layers.append(layer_cache(cls, spec, options, heads))
             except ValueError as e:
-                raise ValueError(f"{e}{where(i, budget)}") from None
+                sizing = _Sizing(requested, prompt_length, tokens, allocation, head_budgets)
+                raise ValueError(f"{e}{sizing.where(i, budget)}") from None
         return layers
 
     rows = f"{batch_size} row{'s' if batch_size != 1 else ''}"
@@ -273,6 +262,29 @@ def make_cache(
     # (A sliding layer's ring keeps no reserve nor blocks: the cache's own spec says what was asked.)
     nominal = dataclasses.replace(layers[0].spec, cache_length=tokens, reserve=reserve, block=block)
     return KVCache(layers, nominal, str(name))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sizing:
+    """What the user asked of a cache's size, and the ``tokens`` per layer it came to."""
+
+    requested: int | float
+    prompt_length: int | None
+    tokens: int
+    allocation: str | Sequence[int]
+    head_budgets: list[list[int]] | None
+
+    def where(self, i: int, size: int) -> str:
+        """How layer ``i``'s (or its heads') ``size`` came from what was asked, for error messages."""
+        parts = []
+        if isinstance(self.requested, float):
+            parts.append(f"cache_length={self.requested} of a {self.prompt_length}-token prompt is {self.tokens} "
+                         f"token{'s' if self.tokens != 1 else ''}")
+        if self.head_budgets is not None:
+            parts.append(f"layer {i} has head budgets {self.head_budgets[i]}")
+        elif self.allocation != "uniform":
+            parts.append(f"allocation={self.allocation!r} gives layer {i} {size} of cache_length={self.tokens}")
+        return f" ({'; '.join(parts)})" if parts else ""
 
 
 def _budgets(cls: type[LayerCache], tokens: int, cfg, allocation: str | Sequence[int],

@@ -107,11 +107,8 @@ def chunked_loss(
     _check_ids(ids)
     targets, target_weights = _targets(ids, labels, weights, ignore_index)
     denom = target_weights.sum()
-    world = 1
-    if sharded is not None and torch.distributed.is_initialized():
-        world = torch.distributed.get_world_size()
-        torch.distributed.all_reduce(denom)  # the global batch's total weight
-        ids, targets, target_weights = _pad_to_longest_rank(ids, targets, target_weights, ignore_index)
+    world, ids, targets, target_weights = _across_ranks(sharded is not None, denom, ids, targets, target_weights,
+                                                        ignore_index)
     B, T = ids.shape
     sizes = chunk_sizes(chunk, T)
     if float(denom) <= 0:
@@ -124,6 +121,16 @@ def chunked_loss(
         plan.world = world
         return _sharded_loss(plan)
     return _loss(plan, model)
+
+
+def _across_ranks(sharded: bool, denom: torch.Tensor, ids, targets, target_weights, ignore_index: int) -> tuple:
+    """(world size, ids, targets, target weights): under torch.distributed, ``denom`` becomes the
+    global batch's total weight (in place) and the rows are padded to the longest rank's
+    (``_pad_to_longest_rank``); else the world is 1 and the rows are as given."""
+    if not (sharded and torch.distributed.is_initialized()):
+        return 1, ids, targets, target_weights
+    torch.distributed.all_reduce(denom)
+    return (torch.distributed.get_world_size(), *_pad_to_longest_rank(ids, targets, target_weights, ignore_index))
 
 
 def _check_ids(ids: torch.Tensor) -> None:
