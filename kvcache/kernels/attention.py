@@ -103,30 +103,28 @@ def causal(
 
 
 
-def after_prefix(q: torch.Tensor, k_prefix: torch.Tensor, v_prefix: torch.Tensor, k: torch.Tensor,
-                 v: torch.Tensor) -> torch.Tensor:
+def after_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S: int) -> torch.Tensor:
     """A chunk of T queries at positions [S, S + T) over a contiguous prefix [0, S) it sees in
     full and, causally, its own T keys: what ``masked`` computes for a uniform chunk of a dense
     cache, without a mask.
 
-    q (B, Hq, T, D); k_prefix, v_prefix (B, Hkv, S, D); k, v (B, Hkv, T, D) -> (B, Hq, T, D).
+    q (B, Hq, T, D); k, v (B, Hkv, S + T, D), the prefix's then the chunk's -> (B, Hq, T, D).
     The prefix part is one fused call with no mask (the G query heads of a K/V head folded into
     the query axis, so the prefix is read once and never copied), the chunk's own part a causal
     call; the two are merged by their log-sum-exps. That is the work of a one-pass causal
     prefill's rows, where a mask over the whole span costs about twice as much on the CPU
     (every score masked, and the mask built per layer). Where no fused kernel gives the
-    log-sum-exp (``sdpa.with_lse``), the masked call."""
+    log-sum-exp (``sdpa.with_lse``), the masked call over the same views."""
     B, Hq, T, D = q.shape
-    Hkv, S = k_prefix.shape[1], k_prefix.shape[2]
+    Hkv = k.shape[1]
     G = Hq // Hkv
     if S == 0:
         return sdpa(q, k, v, is_causal=True, enable_gqa=G > 1)
-    prefix = with_lse(q.reshape(B, Hkv, G * T, D), k_prefix, v_prefix)
+    prefix = with_lse(q.reshape(B, Hkv, G * T, D), k[:, :, :S], v[:, :, :S])
     if prefix is None:
-        keys = torch.cat((k_prefix, k), 2)
         pos = torch.arange(S + T, device=q.device)
-        return masked(q, keys, torch.cat((v_prefix, v), 2), pos[S:].expand(B, T), pos.expand(B, 1, -1))
-    own = with_lse(q, k.repeat_interleave(G, 1), v.repeat_interleave(G, 1), is_causal=True)
+        return masked(q, k, v, pos[S:].expand(B, T), pos.expand(B, 1, -1))
+    own = with_lse(q, k[:, :, S:].repeat_interleave(G, 1), v[:, :, S:].repeat_interleave(G, 1), is_causal=True)
     (o1, l1), (o2, l2) = (prefix[0].reshape(B, Hq, T, D), prefix[1].reshape(B, Hq, T, 1)), (own[0], own[1][..., None])
     # Each part's softmax was normalized over its own keys: weigh each by its share of the total mass.
     top = torch.maximum(l1, l2)

@@ -211,10 +211,13 @@ def test_a_chunk_after_a_contiguous_prefix_is_the_masked_attention(Hq, Hkv, S, T
     """after_prefix (the prefix unmasked and the chunk causal, merged by log-sum-exp) against
     the naive reference over the same span, and against ``masked``, the path it stands for."""
     q, k, v = (x.to(dtype) for x in _qkv(2, Hq, Hkv, T, S + T, seed=S + T))
-    out = attention.after_prefix(q, k[:, :, :S], v[:, :, :S], k[:, :, S:], v[:, :, S:])
+    out = attention.after_prefix(q, k, v, S)
     pos = torch.arange(S + T, device=DEVICE).expand(2, -1)
     want = _reference(q.float(), k.float(), v.float(), pos[:, S:], pos)
     assert out.dtype == dtype and out.shape == q.shape
     assert torch.allclose(out.float(), want, atol=atol("cache", dtype))
     masked = attention.masked(q, k, v, pos[:, S:], pos[:, None])
     assert torch.allclose(out.float(), masked.float(), atol=atol("cache", dtype))
+    # Under autograd (training's replay) no fused call gives the log-sum-exp: the masked call, exactly.
+    grad = attention.after_prefix(q.clone().requires_grad_(), k, v, S)
+    assert torch.equal(grad.detach(), masked) if S else torch.allclose(grad.detach().float(), want, atol=atol("cache", dtype))
