@@ -181,7 +181,8 @@ class AttentionRecorder:
 
     @contextlib.contextmanager
     def patch(self):
-        orig = attention.masked, attention.masked_with_weights, attention.decode, attention.causal
+        orig = (attention.masked, attention.masked_with_weights, attention.decode, attention.causal,
+                attention.after_prefix, attention.after_prefix_with_weights)
 
         def record(q_pos, k_pos, window, sinks, limit):
             vis = attention.visibility(q_pos, k_pos, window, sinks, limit)
@@ -218,12 +219,25 @@ class AttentionRecorder:
             record(pos, pos.unsqueeze(1), window, sinks, limit)
             return orig[3](q, k, v, window=window, sinks=sinks, limit=limit, q_sink=q_sink, scores=scores)
 
-        attention.masked, attention.masked_with_weights, attention.decode, attention.causal = (
-            masked, masked_with_weights, decode, causal)
+        def after_prefix(q, k, v, q_pos, k_pos, prefix):
+            # Sees what ``masked`` would without the rule's windows: the caller guarantees it has none.
+            record(q_pos, k_pos, None, 0, None)
+            return orig[4](q, k, v, q_pos, k_pos, prefix)
+
+        def after_prefix_with_weights(q, k, v, q_pos, k_pos, prefix, q_weight):
+            record(q_pos, k_pos, None, 0, None)
+            self.calls[-1]["scores_only"] = False
+            return orig[5](q, k, v, q_pos, k_pos, prefix, q_weight)
+
+        names = ("masked", "masked_with_weights", "decode", "causal", "after_prefix", "after_prefix_with_weights")
+        patched = (masked, masked_with_weights, decode, causal, after_prefix, after_prefix_with_weights)
+        for name, fn in zip(names, patched):
+            setattr(attention, name, fn)
         try:
             yield self
         finally:
-            attention.masked, attention.masked_with_weights, attention.decode, attention.causal = orig
+            for name, fn in zip(names, orig):
+                setattr(attention, name, fn)
 
 
 def visible_sets(call, b: int, t: int) -> list[list[int]]:

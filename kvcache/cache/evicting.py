@@ -38,6 +38,7 @@ from abc import abstractmethod
 
 import torch
 
+from .. import kernels
 from ..kernels import attention
 from .base import CacheSpec, LayerCache, Step
 from .blocks import keep_whole_blocks
@@ -154,15 +155,19 @@ class EvictingCache(LayerCache):
         the newer token."""
 
     # ----- shared machinery ------------------------------------------------------------------
-    def _attend(self, q, k, v, q_pos, k_pos, step: Step, q_sink=None, observe: bool = True, outputs: bool = True):
+    def _attend(self, q, k, v, q_pos, k_pos, step: Step, q_sink=None, observe: bool = True, outputs: bool = True,
+                prefix: int | None = None):
         """Attention over candidates; returns out (None without ``outputs``) and, if the policy
-        observes, mass and seen."""
+        observes, mass and seen. ``prefix``: the leading slots of k every query sees (filled, all
+        older than the chunk, whose own keys are the last T slots; ``attention.after_prefix``),
+        or None where that is not known."""
         rule = dict(window=self._lookback(), sinks=self.sinks(), limit=self.spec.sliding_window, scores=self.spec.scores)
         # A prompt alone in an empty cache (the candidates are the chunk itself) takes renumbered
         # sinks on the fused path too (see ``_outputs``).
         alone = step.fresh and step.uniform and k.shape[2] == q.shape[2]
+        prefix = self._unmasked(q, k, q_sink, 0 if alone else prefix)
         if not (observe and self.needs_attention) and (q_sink is None or alone):
-            return (self._outputs(q, k, v, q_pos, k_pos, step, rule, q_sink) if outputs else None), None, None
+            return (self._outputs(q, k, v, q_pos, k_pos, step, rule, q_sink, prefix) if outputs else None), None, None
         weight = self.query_weight(step)  # (B, T)
         if q_sink is None:
             # Every query's output comes from the fused kernel, and the explicit softmax runs for
@@ -172,9 +177,14 @@ class EvictingCache(LayerCache):
             # then the dense cache's, bit for bit, whichever policy scores it, so one dense
             # prefill of a context can fill every policy's cache (eval/shared.py).
             listened = weight.ne(0).any(0).nonzero().squeeze(1)  # (L,) indices into the chunk
+            every = listened.numel() == q.shape[2]
+            if every and prefix is not None:
+                # Every query listened to, none masked but causally: the fused calls' outputs and
+                # the weights recomputed from their log-sum-exp.
+                out, mass, seen = attention.after_prefix_with_weights(q, k, v, q_pos, k_pos, prefix, weight)
+                return (out if outputs else None), mass, seen
             if alone or 2 * listened.numel() <= q.shape[2]:
-                out = self._outputs(q, k, v, q_pos, k_pos, step, rule) if outputs else None
-                every = listened.numel() == q.shape[2]
+                out = self._outputs(q, k, v, q_pos, k_pos, step, rule, prefix=prefix) if outputs else None
                 if not every:
                     q, q_pos, weight = q[:, :, listened], q_pos[:, listened], weight[:, listened]
                 _, mass, seen = attention.masked_with_weights(
@@ -183,12 +193,23 @@ class EvictingCache(LayerCache):
         return attention.masked_with_weights(q, k, v, q_pos, k_pos, weight, q_sink=q_sink, outputs=outputs,
                                              in_order=alone, **rule)
 
-    def _outputs(self, q, k, v, q_pos, k_pos, step: Step, rule: dict, q_sink=None) -> torch.Tensor:
+    def _unmasked(self, q, k, q_sink, prefix: int | None) -> int | None:
+        """``prefix`` where nothing but causality hides a slot from the chunk's queries (no window of
+        the policy or the model, no scores rule, no renumbered sinks, plain tensors, more than one
+        query), else None."""
+        plain = (q_sink is None and self._lookback() is None and self.spec.sliding_window is None
+                 and self.spec.scores is None and not kernels.is_packed(k) and q.shape[2] > 1)
+        return prefix if plain else None
+
+    def _outputs(self, q, k, v, q_pos, k_pos, step: Step, rule: dict, q_sink=None, prefix: int | None = None) -> torch.Tensor:
         """Attention outputs without weights: a prompt alone in an empty cache is causal
         attention (fused with no mask for its queries within any window's reach, banded for
-        the rest); anything else is masked. ``q_sink`` is supported on the first path only."""
+        the rest); a chunk after ``prefix`` slots it sees in full is ``after_prefix``'s;
+        anything else is masked. ``q_sink`` is supported on the first path only."""
         if step.fresh and step.uniform and k.shape[2] == q.shape[2]:
             return attention.causal(q, k, v, q_sink=q_sink, **rule)
+        if prefix is not None:
+            return attention.after_prefix(q, k, v, q_pos, k_pos, prefix)
         return attention.masked(q, k, v, q_pos, k_pos, **rule)
 
     @property
@@ -253,7 +274,9 @@ class EvictingCache(LayerCache):
             out, mass = attention.decode(q, ks, vs, visible, want_mass=observe, scores=self.spec.scores)
             seen = 1.0 if visible is None else visible.float()
         else:
-            out, mass, seen = self._attend(q, ks, vs, step.positions, pos, step, observe=observe)
+            # With equal rows, the held slots precede the chunk (slots [h, h + T)) and all are older.
+            prefix = h if even and self.spec.block == 1 else None
+            out, mass, seen = self._attend(q, ks, vs, step.positions, pos, step, observe=observe, prefix=prefix)
         stats = {name: s[:, :, :span] for name, s in self.stats.items()}
         self._observe(Candidates(ks, vs, pos, stats, q, step), mass, seen)
         return out
@@ -329,8 +352,12 @@ class EvictingCache(LayerCache):
         # full-precision attention); the candidates stay packed, so that ``keep`` moves the kept
         # slots' codes as they are and stores the chunk's as ``roundtrip`` computed them.
         c = Candidates(cand_k, cand_v, cand_pos, stats, q, step, keeps=self._keeps(step))
+        # Rows holding the same count h, each in slots [0, h) (whole blocks may empty a head's slots
+        # below it), see all of them: they are older than the chunk, which follows the stored slots.
+        held = int(self.held[0])
+        prefix = held if stored and self.spec.block == 1 and bool((self.held == held).all()) else None
         out, mass, seen = self._attend(q, c.keys, c.values, step.positions, cand_pos, step,
-                                       self.sink_queries(q, step), outputs=outputs)
+                                       self.sink_queries(q, step), outputs=outputs, prefix=prefix)
         self._observe(c, mass, seen)
         self._keep(c, stored)
         return out

@@ -38,6 +38,8 @@ PLAIN = Scores()
 
 # Largest number of queries whose (query x key) mask and scores are materialised at once.
 QUERY_BLOCK = 1024
+# Keys per block of the weights ``after_prefix_with_weights`` recomputes.
+KEY_BLOCK = 512
 # Queries per block of a windowed span (``causal``): each block attends over its band of keys.
 BAND_BLOCK = 256
 
@@ -103,33 +105,110 @@ def causal(
 
 
 
-def after_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S: int) -> torch.Tensor:
-    """A chunk of T queries at positions [S, S + T) over a contiguous prefix [0, S) it sees in
-    full and, causally, its own T keys: what ``masked`` computes for a uniform chunk of a dense
-    cache, without a mask.
+def after_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                 prefix: int) -> torch.Tensor:
+    """A chunk of T queries over ``prefix`` slots that every one of them sees and, causally, its
+    own T keys: what ``masked`` computes for such a chunk, without a mask.
 
-    q (B, Hq, T, D); k, v (B, Hkv, S + T, D), the prefix's then the chunk's -> (B, Hq, T, D).
-    The prefix part is one fused call with no mask (the G query heads of a K/V head folded into
-    the query axis, so the prefix is read once and never copied), the chunk's own part a causal
-    call; the two are merged by their log-sum-exps. That is the work of a one-pass causal
-    prefill's rows, where a mask over the whole span costs about twice as much on the CPU
-    (every score masked, and the mask built per layer). Where no fused kernel gives the
-    log-sum-exp (``sdpa.with_lse``), the masked call over the same views."""
+    q (B, Hq, T, D); k, v (B, Hkv, S, D): slots [0, prefix) hold keys older than every query
+    (all filled), slots [S - T, S) the chunk's own keys in order, any slots between are empty.
+    q_pos (B, T), k_pos (B, Hp, S): the positions, as ``masked`` takes them, read only where no
+    fused kernel gives the log-sum-exp (``sdpa.with_lse``: CUDA, autograd), which takes the
+    masked call over the same views. -> (B, Hq, T, D).
+
+    A dense cache's uniform chunk (token t in slot t) and a bounded cache's chunk after its kept
+    slots are such chunks. The prefix is one fused call with no mask (the G query heads of a K/V
+    head folded into the query axis, so the prefix is read once and never copied), the chunk's
+    own part a causal call; the two are merged by their log-sum-exps. That is the work of a
+    one-pass causal prefill's rows, where a mask over the whole span costs about twice as much
+    on the CPU (every score masked, and the mask built per layer)."""
+    T, S = q.shape[2], k.shape[2]
+    if prefix == 0:
+        return sdpa(q, k[:, :, S - T:], v[:, :, S - T:], is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    merged = _merged(q, k, v, prefix)
+    return masked(q, k, v, q_pos, k_pos) if merged is None else merged[0]
+
+
+def after_prefix_with_weights(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                              k_pos: torch.Tensor, prefix: int, q_weight: torch.Tensor
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``after_prefix`` that also reports the attention each key received, as
+    ``masked_with_weights`` does: q_weight (B, T) -> out (B, Hq, T, D), mass (B, Hkv, S) and
+    seen (B, Hp, S) float32 (zero for the empty slots).
+
+    The outputs are the fused calls' (with ``prefix`` 0, bit for bit the causal call of a dense
+    prompt), and the mass is recomputed from their log-sum-exp: a query's weight on key s is
+    exp(q . k_s / sqrt(D) - lse), so no softmax and no product with the values is repeated, and
+    the weights exist for ``QUERY_BLOCK`` queries at a time. Where no fused kernel gives the
+    log-sum-exp, the fused outputs and ``masked_with_weights``'s mass."""
     B, Hq, T, D = q.shape
-    Hkv = k.shape[1]
+    S = k.shape[2]
+    merged = _merged(q, k, v, prefix)
+    if merged is None:
+        out = after_prefix(q, k, v, q_pos, k_pos, prefix)
+        _, mass, seen = masked_with_weights(q, k, v, q_pos, k_pos, q_weight, outputs=False,
+                                            in_order=prefix == 0 and S == T)
+        return out, mass, seen
+    out, lse = merged
+    qw = q_weight.float()
+    seen = qw.new_zeros(B, 1, S)
+    seen[:, 0, :prefix] = qw.sum(1, keepdim=True)
+    seen[:, 0, S - T:] = qw.flip(1).cumsum(1).flip(1)  # own key j is seen by queries j..T-1
+    return out, _received(q, k, lse, prefix, qw), seen.repeat(1, k_pos.shape[1], 1)
+
+
+def _merged(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int
+            ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``after_prefix``'s fused calls: the outputs (B, Hq, T, D) and their log-sum-exp (B, Hq, T)
+    float32, or None where ``with_lse`` has no kernel."""
+    B, Hq, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
     G = Hq // Hkv
-    if S == 0:
-        return sdpa(q, k, v, is_causal=True, enable_gqa=G > 1)
-    prefix = with_lse(q.reshape(B, Hkv, G * T, D), k[:, :, :S], v[:, :, :S])
-    if prefix is None:
-        pos = torch.arange(S + T, device=q.device)
-        return masked(q, k, v, pos[S:].expand(B, T), pos.expand(B, 1, -1))
-    own = with_lse(q, k[:, :, S:].repeat_interleave(G, 1), v[:, :, S:].repeat_interleave(G, 1), is_causal=True)
-    (o1, l1), (o2, l2) = (prefix[0].reshape(B, Hq, T, D), prefix[1].reshape(B, Hq, T, 1)), (own[0], own[1][..., None])
+    # The chunk's own keys, one copy per query head: T of them, never the prefix.
+    own = with_lse(q, k[:, :, S - T:].repeat_interleave(G, 1), v[:, :, S - T:].repeat_interleave(G, 1), is_causal=True)
+    if own is None or prefix == 0:
+        return own
+    o1, l1 = with_lse(q.reshape(B, Hkv, G * T, D), k[:, :, :prefix], v[:, :, :prefix])
+    (o1, l1), (o2, l2) = (o1.reshape(B, Hq, T, D), l1.reshape(B, Hq, T, 1)), (own[0], own[1][..., None])
     # Each part's softmax was normalized over its own keys: weigh each by its share of the total mass.
     top = torch.maximum(l1, l2)
     w1, w2 = (l1 - top).exp(), (l2 - top).exp()
-    return ((o1.float() * w1 + o2.float() * w2) / (w1 + w2)).to(q.dtype)
+    total = w1 + w2
+    out = ((o1.float() * w1 + o2.float() * w2) / total).to(q.dtype)
+    return out, (top + total.log()).squeeze(-1)
+
+
+def _received(q: torch.Tensor, k: torch.Tensor, lse: torch.Tensor, prefix: int, qw: torch.Tensor) -> torch.Tensor:
+    """(B, Hkv, S) float32: sum over queries t and the G heads of a group of qw[t] * the softmax
+    weight of t on each key, from the log-sum-exp ``lse`` (B, Hq, T) of t's scores, for
+    ``after_prefix``'s layout of ``k`` (B, Hkv, S, D); qw (B, T) float32.
+
+    The weights of a block of queries are made ``KEY_BLOCK`` keys at a time: a block's weights
+    then stay in the CPU's cache between the product that makes them, the exp and the sum
+    (about half the time of one product over all the keys, at 4k keys)."""
+    B, Hq, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    G = Hq // Hkv
+    mass = torch.zeros(B, Hkv, S, dtype=torch.float32, device=q.device)
+    q = q * D**-0.5
+    keys = k.transpose(-1, -2)
+    for start in range(0, T, QUERY_BLOCK):
+        stop = min(start + QUERY_BLOCK, T)
+        n = stop - start
+        qb = q[:, :, start:stop].reshape(B, Hkv, G * n, D)
+        lb = lse[:, :, start:stop].reshape(B, Hkv, G * n, 1)
+        wb = qw[:, start:stop].repeat(1, G)[:, None, None, :]  # (B, 1, 1, G*n), the queries' order in qb
+        # The prefix, then the chunk's keys up to the block's last query (own key j at slot S - T + j).
+        blocks = [(lo, min(lo + KEY_BLOCK, prefix)) for lo in range(0, prefix, KEY_BLOCK)]
+        blocks += [(S - T + lo, S - T + min(lo + KEY_BLOCK, stop)) for lo in range(0, stop, KEY_BLOCK)]
+        for lo, hi in blocks:
+            weights = (qb @ keys[..., lo:hi]).float().sub_(lb).exp_()  # (B, Hkv, G*n, hi - lo)
+            if hi > S - T + start:
+                # Own keys after a query are its future.
+                j = torch.arange(lo - (S - T), hi - (S - T), device=q.device)
+                weights.view(B, Hkv, G, n, -1).masked_fill_(j > torch.arange(start, stop, device=q.device)[:, None], 0.0)
+            mass[..., lo:hi] += (wb @ weights).squeeze(2)
+    return mass
 
 
 def masked(

@@ -63,13 +63,16 @@ def test_appending_policies_skip_the_weights_until_they_evict(llama, monkeypatch
     """TOVA and SnapKV rank by scores the evicting step computes: while the cache has room they
     attend like dense (no explicit weights). H2O's running sums need every step."""
     calls = []
-    original = attention.masked_with_weights
 
-    def counting(*args, **kwargs):
-        calls.append(args[0].shape[2])
-        return original(*args, **kwargs)
+    def counting(original):
+        def call(*args, **kwargs):
+            calls.append(args[0].shape[2])
+            return original(*args, **kwargs)
+        return call
 
-    monkeypatch.setattr(attention, "masked_with_weights", counting)
+    # The two kernels that compute attention weights.
+    for name in ("masked_with_weights", "after_prefix_with_weights"):
+        monkeypatch.setattr(attention, name, counting(getattr(attention, name)))
     ids = ids_for(12, seed=3, vocab=VOCAB)
     with torch.inference_mode():
         for policy, options, expect_weights in [("tova", {}, False), ("snapkv", dict(window=2), False),

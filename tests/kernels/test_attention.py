@@ -204,20 +204,58 @@ def test_decode_rejects_renumbered_sinks_with_weights():
         attention.decode(q, k, k, None, q_sink=q, sink_slots=2, want_mass=True)
 
 
+def _after_prefix_case(B, Hq, Hkv, P, gap, T, dtype, per_head):
+    """q, k, v and positions in ``after_prefix``'s layout: P filled prefix slots holding older
+    tokens (per head, a different choice of them with ``per_head``), ``gap`` empty slots, then
+    the chunk's T keys, whose queries sit after everything kept."""
+    q, k, v = (x.to(dtype) for x in _qkv(B, Hq, Hkv, T, P + gap + T, seed=7 * P + gap + T))
+    g = torch.Generator().manual_seed(P + T)
+    Hp = Hkv if per_head else 1
+    older = torch.stack([torch.randperm(3 * P + 1, generator=g)[:P].sort().values for _ in range(B * Hp)])
+    start = 3 * P + 1
+    q_pos = torch.arange(start, start + T).expand(B, T)
+    k_pos = torch.cat((older.view(B, Hp, P), torch.full((B, Hp, gap), -1), q_pos[:, None].expand(B, Hp, T)), dim=2)
+    return q, k, v, q_pos.to(DEVICE), k_pos.to(DEVICE)
+
+
 @pytest.mark.parametrize("Hq,Hkv", [(4, 4), (4, 2), (6, 1)])
-@pytest.mark.parametrize("S,T", [(0, 5), (1, 1), (7, 5), (40, 16)])
+@pytest.mark.parametrize("P,gap,T", [(0, 0, 5), (1, 0, 1), (7, 0, 5), (40, 0, 16), (9, 3, 6), (0, 4, 3)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_chunk_after_a_contiguous_prefix_is_the_masked_attention(Hq, Hkv, S, T, dtype):
+@pytest.mark.parametrize("per_head", [False, True])
+def test_a_chunk_after_a_prefix_it_sees_in_full_is_the_masked_attention(Hq, Hkv, P, gap, T, dtype, per_head):
     """after_prefix (the prefix unmasked and the chunk causal, merged by log-sum-exp) against
-    the naive reference over the same span, and against ``masked``, the path it stands for."""
-    q, k, v = (x.to(dtype) for x in _qkv(2, Hq, Hkv, T, S + T, seed=S + T))
-    out = attention.after_prefix(q, k, v, S)
-    pos = torch.arange(S + T, device=DEVICE).expand(2, -1)
-    want = _reference(q.float(), k.float(), v.float(), pos[:, S:], pos)
+    the naive reference and against ``masked``, the path it stands for; its weights against
+    ``masked_with_weights``'s."""
+    q, k, v, q_pos, k_pos = _after_prefix_case(2, Hq, Hkv, P, gap, T, dtype, per_head)
+    tol = atol("cache", dtype)
+    out = attention.after_prefix(q, k, v, q_pos, k_pos, P)
+    masked = attention.masked(q, k, v, q_pos, k_pos)
     assert out.dtype == dtype and out.shape == q.shape
-    assert torch.allclose(out.float(), want, atol=atol("cache", dtype))
-    masked = attention.masked(q, k, v, pos[:, S:], pos[:, None])
-    assert torch.allclose(out.float(), masked.float(), atol=atol("cache", dtype))
-    # Under autograd (training's replay) no fused call gives the log-sum-exp: the masked call, exactly.
-    grad = attention.after_prefix(q.clone().requires_grad_(), k, v, S)
-    assert torch.equal(grad.detach(), masked) if S else torch.allclose(grad.detach().float(), want, atol=atol("cache", dtype))
+    assert torch.allclose(out.float(), masked.float(), atol=tol)
+    if not per_head:
+        want = _reference(q.float(), k.float(), v.float(), q_pos, k_pos[:, 0])
+        assert torch.allclose(out.float(), want, atol=tol)
+    weight = torch.rand(2, T, generator=torch.Generator().manual_seed(T)).to(DEVICE)
+    got = attention.after_prefix_with_weights(q, k, v, q_pos, k_pos, P, weight)
+    want = attention.masked_with_weights(q, k, v, q_pos, k_pos, weight)
+    assert torch.equal(got[0], out)  # the outputs are the fused calls'
+    assert got[1].shape == want[1].shape and got[2].shape == want[2].shape
+    # Mass sums up to G * T weights of one: the tolerance scales with it.
+    assert torch.allclose(got[1], want[1], atol=tol * Hq // Hkv * T, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+    assert torch.allclose(got[2], want[2])
+    # Under autograd (training's replay) no fused call gives the log-sum-exp: the masked calls, exactly.
+    grad = attention.after_prefix(q.clone().requires_grad_(), k, v, q_pos, k_pos, P)
+    assert torch.equal(grad.detach(), masked) if P else torch.allclose(grad.detach().float(), masked.float(), atol=tol)
+    grad = attention.after_prefix_with_weights(q.clone().requires_grad_(), k, v, q_pos, k_pos, P, weight)
+    want_mass = attention.masked_with_weights(q, k, v, q_pos, k_pos, weight, in_order=False)[1]
+    assert torch.equal(grad[1], want_mass) and torch.equal(grad[2], want[2])
+
+
+def test_a_prompt_alone_with_weights_is_the_causal_call_bit_for_bit():
+    """With no prefix, the outputs are those of the causal call a dense prompt takes, so one dense
+    prefill can fill a scoring policy's cache."""
+    q, k, v, q_pos, k_pos = _after_prefix_case(1, 4, 2, 0, 0, 37, torch.float32, per_head=True)
+    out, mass, _ = attention.after_prefix_with_weights(q, k, v, q_pos, k_pos, 0, torch.ones(1, 37, device=DEVICE))
+    assert torch.equal(out, attention.causal(q, k, v))
+    # Every query head's weights sum to one: Hq x T of them in all.
+    assert torch.allclose(mass.sum(), torch.tensor(4 * 37.0, device=DEVICE), rtol=1e-5)

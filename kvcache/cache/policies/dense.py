@@ -89,7 +89,7 @@ class DenseCache(LayerCache):
         if step.uniform and T > 1 and not store.packed and self.spec.sliding_window is None and self.spec.scores is None:
             # Every row holds positions [0, S) at slots [0, S) (a dense cache writes token t at
             # slot t) and the chunk follows them: no mask to build.
-            return attention.after_prefix(q, ks, vs, step.start0)
+            return attention.after_prefix(q, ks, vs, step.positions, pos, step.start0)
         if readback and store.packed and self.spec.scores is None:
             # The stored slots decoded a block at a time, each through the fused kernel: never a
             # full-precision copy of the whole cache.
