@@ -66,15 +66,22 @@ def _keeps_all(policy: str) -> bool:
 @torch.inference_mode()
 def streaming(model, ids: torch.Tensor, policy: str, cache_length: int, chunk: int,
               reference: torch.Tensor) -> dict[str, float]:
-    """ids: (1, N). reference: (N - 1, vocab) dense log-probabilities of the next tokens."""
+    """ids: (1, N). reference: (N - 1, vocab) dense log-probabilities of the next tokens.
+
+    ``bits_per_element``: the cache's size after the stream (``nbytes``: codes, scales, positions,
+    statistics, every full-precision token) in bits per element of the keys and values it would
+    hold at full length, 2 x K/V heads x head_dim x N over its layers: a float32 dense cache
+    of the whole stream is just above 32."""
     cache = make_cache(model, policy, cache_length=cache_length, options=budget_options(policy, cache_length))
     logits = torch.cat([model(ids[:, i : i + chunk], cache)[0] for i in range(0, ids.shape[1], chunk)])
+    elements = sum(2 * layer.spec.num_kv_heads * layer.spec.head_dim for layer in cache.layers) * ids.shape[1]
     logp = F.log_softmax(logits[:-1].float(), dim=-1)
     nll = -logp.gather(1, ids[0, 1:, None]).mean().item()
     # KL is non-negative; rounding leaves about -1e-9 where the distributions are the same.
     kl = max(0.0, (reference.exp() * (reference - logp)).sum(-1).mean().item())
     agree = (logp.argmax(-1) == reference.argmax(-1)).float().mean().item()
-    return {"perplexity": math.exp(nll), "top1_agreement": agree, "kl": kl}
+    return {"perplexity": math.exp(nll), "top1_agreement": agree, "kl": kl,
+            "bits_per_element": 8 * cache.nbytes() / elements}
 
 
 @torch.inference_mode()
