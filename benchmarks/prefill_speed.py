@@ -15,7 +15,9 @@ Shapes: ``smollm2`` (SmolLM2-135M's geometry: 30 layers, 576 channels, 9 query a
 ``5M`` (4 layers, 256 channels, 4 and 2 heads: the shape of benchmarks/decode.py).
 
     python benchmarks/prefill_speed.py [--cases smollm2@1k,5M@4k,5M@16k] [--policies snapkv,tova]
-                                       [--repeats 2] [--threads 1] [--out FILE]
+                                       [--chunk 512] [--repeats 2] [--threads 1] [--out FILE]
+
+``--chunk``: kvcache's chunk (default: ``generate``'s, ``DEFAULT_PREFILL_CHUNK``), to compare sizes.
 
 Prints one JSON object; progress on stderr.
 """
@@ -77,7 +79,7 @@ def run_case(args) -> dict:
             model.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=0)
     else:
         model = kvcache.load(args.model)
-        chunk = None if args.engine == "kvcache-one-chunk" else kvcache.generation.generate.DEFAULT_PREFILL_CHUNK
+        chunk = None if args.engine == "kvcache-one-chunk" else args.chunk
         length = args.tokens + 1 if args.policy == "dense" else args.tokens // 4
 
         def prefill():
@@ -93,11 +95,11 @@ def run_case(args) -> dict:
     return {"seconds": seconds, "tok_s": args.tokens / seconds, "peak_above_model_bytes": rss.status("VmHWM") - before}
 
 
-def case(model_dir: Path, engine: str, policy: str, tokens: int, threads: int) -> dict:
+def case(model_dir: Path, engine: str, policy: str, tokens: int, threads: int, chunk: int) -> dict:
     """``run_case`` in a fresh process, so that each peak is its own."""
     out = subprocess.run(
         [sys.executable, __file__, "--case", "--model", str(model_dir), "--engine", engine, "--policy", policy,
-         "--tokens", str(tokens), "--threads", str(threads)],
+         "--tokens", str(tokens), "--threads", str(threads), "--chunk", str(chunk)],
         capture_output=True, text=True, check=False, env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
     if out.returncode != 0:
         raise SystemExit(f"{engine} {policy} at {tokens} tokens failed:\n{out.stderr[-3000:]}")
@@ -110,7 +112,7 @@ def best(runs: list[dict]) -> dict:
             "peak_above_model_bytes": max(r["peak_above_model_bytes"] for r in runs)}
 
 
-def measure(shape: str, tokens: int, policies: list[str], repeats: int, threads: int, root: Path) -> dict:
+def measure(shape: str, tokens: int, policies: list[str], repeats: int, threads: int, chunk: int, root: Path) -> dict:
     model_dir = root / shape
     if not model_dir.exists():
         build(shape, model_dir)
@@ -119,14 +121,14 @@ def measure(shape: str, tokens: int, policies: list[str], repeats: int, threads:
     runs: dict[tuple[str, str], list[dict]] = {e: [] for e in engines}
     for r in range(repeats):
         for engine, policy in engines:
-            res = case(model_dir, engine, policy, tokens, threads)
+            res = case(model_dir, engine, policy, tokens, threads, chunk)
             runs[(engine, policy)].append(res)
             log(f"  {shape}@{tokens} {engine} {policy}: run {r + 1}/{repeats}: {res['tok_s']:.0f} tok/s "
                 f"({res['seconds']:.2f} s), peak +{res['peak_above_model_bytes'] / 2**20:.0f} MiB")
     found = {f"{engine}:{policy}": best(r) for (engine, policy), r in runs.items()}
     hf, dense, one = found["transformers:dense"], found["kvcache:dense"], found["kvcache-one-chunk:dense"]
     return {
-        "shape": shape, "tokens": tokens, "engines": found,
+        "shape": shape, "tokens": tokens, "chunk": chunk, "engines": found,
         "dense_over_transformers": dense["tok_s"] / hf["tok_s"],
         "one_chunk_over_transformers": one["tok_s"] / hf["tok_s"],
         "dense_peak_over_transformers": dense["peak_above_model_bytes"] / hf["peak_above_model_bytes"],
@@ -139,6 +141,7 @@ def main() -> None:
     p.add_argument("--cases", default=DEFAULT_CASES, help=f"shape@length, comma-separated (default: {DEFAULT_CASES})")
     p.add_argument("--policies", default=SCORING, help=f"scoring policies at a quarter of the prompt (default: {SCORING}; "
                                                        "'' for none)")
+    p.add_argument("--chunk", type=int, default=None, help="kvcache's prefill chunk (default: generate's)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", help="also write the JSON here")
@@ -149,6 +152,12 @@ def main() -> None:
     p.add_argument("--policy", default="dense", help=argparse.SUPPRESS)
     p.add_argument("--tokens", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.chunk is None:
+        from kvcache.generation.generate import DEFAULT_PREFILL_CHUNK
+
+        args.chunk = DEFAULT_PREFILL_CHUNK
+    elif args.chunk < 1:
+        raise SystemExit(f"--chunk must be a positive number of tokens, got {args.chunk}")
     if args.case:
         print(json.dumps(run_case(args)))
         return
@@ -162,7 +171,8 @@ def main() -> None:
     policies = [q for q in (s.strip() for s in args.policies.split(",")) if q]
     load = list(os.getloadavg())
     with tempfile.TemporaryDirectory() as root:
-        results = [measure(shape, tokens, policies, args.repeats, args.threads, Path(root)) for shape, tokens in cases]
+        results = [measure(shape, tokens, policies, args.repeats, args.threads, args.chunk, Path(root))
+                   for shape, tokens in cases]
     emit({"benchmark": "prefill_speed", "threads": args.threads, "repeats": args.repeats, "machine": machine(load),
           "results": results}, args.out)
 
