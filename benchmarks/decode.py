@@ -83,8 +83,10 @@ SHAPES: dict[str, tuple[str, int]] = {
     "gemma3-270m@4k": ("gemma3-270m", 4096),
     # The GPU shapes (docs/gpu.md): Llama 3.2 1B and Llama 3 8B geometry, random weights.
     "1B@1k": ("1B", 1024),
+    "1B@8k": ("1B", 8192),
     "1B@32k": ("1B", 32768),
     "8B@1k": ("8B", 1024),
+    "8B@8k": ("8B", 8192),
     "8B@32k": ("8B", 32768),
 }
 DEFAULT_SHAPES = ["5M@512", "5M@16k", "200M@512"]
