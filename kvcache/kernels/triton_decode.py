@@ -10,7 +10,8 @@ raw scores are written too (G per slot), and the attention mass is normalised on
 max and sum are known. Splits are combined in PyTorch (flash-decoding), so a single row still
 spreads over many programs.
 
-Limits (``supported``): a power-of-two head_dim of at least 16, no renumbered-sink query and no
+Limits (``supported``): a power-of-two head_dim of at least 16, no renumbered-sink query, no
+full-precision sink tokens (quant/sinks.py) and no
 appended chunk tokens; ``kernels.decode`` sends anything else to the blocked path.
 """
 
@@ -21,6 +22,7 @@ import triton
 import triton.language as tl
 
 from ..quant.packed import PackedKeys, PackedValues
+from ..quant.sinks import SinkKeys, SinkValues
 
 # Slots per program: enough work per program to hide latency, few enough programs to fill the GPU.
 SLOTS_PER_SPLIT = 512
@@ -146,7 +148,9 @@ def _decode_kernel(
 
 def supported(q: torch.Tensor, k: PackedKeys, v: PackedValues) -> bool:
     D = q.shape[-1]
-    return D >= 16 and D & (D - 1) == 0 and k.tail is None and v.tail is None and k.stage_of is None
+    # Full-precision sinks (quant/sinks.py) are read by the blocked path only.
+    plain_views = not isinstance(k, SinkKeys) and not isinstance(v, SinkValues)
+    return D >= 16 and D & (D - 1) == 0 and k.tail is None and v.tail is None and k.stage_of is None and plain_views
 
 
 def decode(q: torch.Tensor, k: PackedKeys, v: PackedValues, visible: torch.Tensor | None, *,

@@ -16,6 +16,7 @@ from kvcache.cache.storages import STORAGES, in_place, make_storage, parse_stora
 from kvcache.cache.storages import kivi as kivi_module
 from kvcache.cache.storages.full import FullStorage
 from kvcache.cache.storages.kivi import KiviStorage
+from kvcache.cache.storages.kivis import SINKS
 from kvcache.cache.storages.token import TokenStorage
 from kvcache.cli import main
 from kvcache.kernels import CHANNEL, RESIDUAL, TOKEN, PackedKeys, PackedValues, attention, fused
@@ -218,6 +219,9 @@ def test_bytes_per_slot(name):
         # Values in 4 groups of channels at 2 bits (``VALUE_GROUPS``), one elsewhere.
         per_slot = 2 * codes + 4 + 4 * (4 if kind.bits == 2 else 1)
         extra = H * (C // G + 1) * 4 * D + 2 * H * G * D * 4 + 2 * 8
+        if kind.layout == "kivis":
+            # The float32 copies of the first positions' keys and values (and the spare entry).
+            extra += 2 * H * (SINKS + 1) * D * 4
     # Positions of any value (a storage made without a limit: an evicting cache's) take int32.
     assert store.pos.dtype == torch.int32
     assert store.nbytes() == H * (C + 1) * per_slot + (C + 1) * 4 + extra
