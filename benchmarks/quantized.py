@@ -55,6 +55,7 @@ from emit import emit
 import kvcache
 from kvcache.cache import CacheSpec, KVCache
 from kvcache.cache.policies.dense import DenseCache
+from kvcache.cache.storages import STORAGES as REGISTERED
 from kvcache.kernels import attention
 from kvcache.runtime.threads import set_threads
 
@@ -338,13 +339,19 @@ def parser() -> argparse.ArgumentParser:
                         help="the model speed's model: small (default), smollm2 (the real model, from its "
                              "wheel) or a geometry of benchmarks/decode.py")
     parser.add_argument("--storages", default=",".join(STORAGES),
-                        help=f"the layer speed's storages (default {','.join(STORAGES)}; full is always timed)")
+                        help=f"the layer speed's storages, any of kvcache.storages() (default {','.join(STORAGES)}; "
+                             "full is always timed)")
     parser.add_argument("--caches", default=",".join(MODEL_CACHES),
                         help=f"the model speed's caches (default {','.join(MODEL_CACHES)}; the full-precision cache "
                              "of each policy named is always timed)")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     parser.add_argument("--memory-case", help=argparse.SUPPRESS)
     return parser
+
+
+def registered_storages() -> list[str]:
+    """Every storage name kvcache registers (``kvcache.storages()``)."""
+    return list(REGISTERED)
 
 
 def run(args, error) -> dict:
@@ -355,8 +362,10 @@ def run(args, error) -> dict:
     if not parts or any(part not in PARTS for part in parts):
         error(f"--parts {args.parts!r}: choose from {','.join(PARTS)}")
     storages = ["full"] + [s.strip() for s in args.storages.split(",") if s.strip() not in ("", "full")]
-    if any(s not in STORAGES for s in storages):
-        error(f"--storages {args.storages!r}: choose from {','.join(STORAGES)}")
+    unknown = [s for s in storages if s not in registered_storages()]
+    if unknown:
+        error(f"--storages {args.storages!r}: {', '.join(unknown)} not storages; choose from "
+              f"{', '.join(registered_storages())}")
     chosen = [c.strip() for c in args.caches.split(",") if c.strip()]
     if not chosen or any(c not in MODEL_CACHES for c in chosen):
         error(f"--caches {args.caches!r}: choose from {','.join(MODEL_CACHES)}")
