@@ -34,6 +34,17 @@ def _hits(entry: torch.Tensor, s0: int, s1: int, n: int) -> tuple[torch.Tensor, 
     return e, e < n
 
 
+def _copies_over(out: torch.Tensor, sink: torch.Tensor, entry: torch.Tensor, s0: int, s1: int) -> torch.Tensor:
+    """``out`` (B, H, m, D), slots [s0, s1) as the parent view decodes them, with each sink slot's
+    row taken from its full-precision copy ``sink`` (B, H, n + 1, D)."""
+    e, hit = _hits(entry, s0, s1, sink.shape[2] - 1)
+    if not _any(hit):
+        return out
+    B, H, m, D = out.shape
+    rows = sink.gather(2, e.expand(B, H, m)[..., None].expand(B, H, m, D))
+    return torch.where(hit[..., None], rows.to(out.dtype), out)
+
+
 @dataclass(eq=False)
 class SinkKeys(PackedKeys):
     """Keys as ``PackedKeys`` reads them, but where ``entry`` names a sink.
@@ -50,13 +61,7 @@ class SinkKeys(PackedKeys):
         return self.sink.shape[2] - 1
 
     def decode(self, s0: int, s1: int) -> torch.Tensor:
-        out = super().decode(s0, s1)
-        e, hit = _hits(self.entry, s0, s1, self.n)
-        if not _any(hit):
-            return out
-        B, H, m, D = out.shape
-        rows = self.sink.gather(2, e.expand(B, H, m)[..., None].expand(B, H, m, D))
-        return torch.where(hit[..., None], rows.to(out.dtype), out)
+        return _copies_over(super().decode(s0, s1), self.sink, self.entry, s0, s1)
 
     def scores(self, q: torch.Tensor, q_pos: torch.Tensor | None, s0: int, s1: int,
                work: torch.Tensor | None = None, present: tuple[bool, bool, bool] | None = None) -> torch.Tensor:
@@ -83,13 +88,7 @@ class SinkValues(PackedValues):
         return self.sink.shape[2] - 1
 
     def decode(self, s0: int, s1: int) -> torch.Tensor:
-        out = super().decode(s0, s1)
-        e, hit = _hits(self.entry, s0, s1, self.n)
-        if not _any(hit):
-            return out
-        B, H, m, D = out.shape
-        rows = self.sink.gather(2, e.expand(B, H, m)[..., None].expand(B, H, m, D))
-        return torch.where(hit[..., None], rows.to(out.dtype), out)
+        return _copies_over(super().decode(s0, s1), self.sink, self.entry, s0, s1)
 
     def mix(self, p: torch.Tensor, s0: int, s1: int, q_pos: torch.Tensor | None = None,
             work: torch.Tensor | None = None, present: tuple[bool, bool, bool] | None = None) -> torch.Tensor:
