@@ -45,8 +45,23 @@ def _copies_over(out: torch.Tensor, sink: torch.Tensor, entry: torch.Tensor, s0:
     return torch.where(hit[..., None], rows.to(out.dtype), out)
 
 
+class _Copies:
+    """What both sink views share: the count of sinks ``n`` and ``decode`` (the parent view's
+    rows, with the sinks' copies laid over them). ``sink`` and ``entry`` are their fields."""
+
+    sink: torch.Tensor
+    entry: torch.Tensor
+
+    @property
+    def n(self) -> int:
+        return self.sink.shape[2] - 1
+
+    def decode(self, s0: int, s1: int) -> torch.Tensor:
+        return _copies_over(super().decode(s0, s1), self.sink, self.entry, s0, s1)
+
+
 @dataclass(eq=False)
-class SinkKeys(PackedKeys):
+class SinkKeys(_Copies, PackedKeys):
     """Keys as ``PackedKeys`` reads them, but where ``entry`` names a sink.
 
     sink:  (B, H, n + 1, D) model dtype: entry p holds position p's key; entry n is unused.
@@ -55,13 +70,6 @@ class SinkKeys(PackedKeys):
 
     sink: torch.Tensor | None = None
     entry: torch.Tensor | None = None
-
-    @property
-    def n(self) -> int:
-        return self.sink.shape[2] - 1
-
-    def decode(self, s0: int, s1: int) -> torch.Tensor:
-        return _copies_over(super().decode(s0, s1), self.sink, self.entry, s0, s1)
 
     def scores(self, q: torch.Tensor, q_pos: torch.Tensor | None, s0: int, s1: int,
                work: torch.Tensor | None = None, present: tuple[bool, bool, bool] | None = None) -> torch.Tensor:
@@ -76,19 +84,12 @@ class SinkKeys(PackedKeys):
 
 
 @dataclass(eq=False)
-class SinkValues(PackedValues):
+class SinkValues(_Copies, PackedValues):
     """Values as ``PackedValues`` reads them, but where ``entry`` names a sink (fields as
     ``SinkKeys``')."""
 
     sink: torch.Tensor | None = None
     entry: torch.Tensor | None = None
-
-    @property
-    def n(self) -> int:
-        return self.sink.shape[2] - 1
-
-    def decode(self, s0: int, s1: int) -> torch.Tensor:
-        return _copies_over(super().decode(s0, s1), self.sink, self.entry, s0, s1)
 
     def mix(self, p: torch.Tensor, s0: int, s1: int, q_pos: torch.Tensor | None = None,
             work: torch.Tensor | None = None, present: tuple[bool, bool, bool] | None = None) -> torch.Tensor:
