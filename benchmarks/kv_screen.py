@@ -225,21 +225,19 @@ class Simulated(FullStorage):
         self.last = (0, 0)  # the slots of the chunk stored exactly (exact_chunk)
 
     def roundtrip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        start = self.seen
+        self.seen += k.shape[2]
         if not self.method.exact_chunk:
-            return self.code(k, v, self.seen)
+            return self.code(k, v, start)
         s0, s1 = self.last
         if s1 > s0:
             self.k[:, :, s0:s1], self.v[:, :, s0:s1] = self.code(self.k[:, :, s0:s1], self.v[:, :, s0:s1], s0)
-        self.last = (self.seen, self.seen + k.shape[2])
-        self.seen += k.shape[2]
+        self.last = (start, self.seen)
         return k, v
 
     def code(self, k: torch.Tensor, v: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v (1, H, T, D) of positions [start, start + T) as the method reads them back."""
-        T = k.shape[2]
-        positions = torch.arange(start, start + T)
-        if not self.method.exact_chunk:
-            self.seen += T
+        positions = torch.arange(start, start + k.shape[2])
         rope = None if self.inv_freq is None else rope_angles(self.inv_freq, positions, torch.float32)
         out = []
         for x, coder in zip((k.float(), v.float()), self.coders):

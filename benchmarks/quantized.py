@@ -349,11 +349,6 @@ def parser() -> argparse.ArgumentParser:
     return parser
 
 
-def registered_storages() -> list[str]:
-    """Every storage name kvcache registers (``kvcache.storages()``)."""
-    return list(REGISTERED)
-
-
 def run(args, error) -> dict:
     """The benchmark of parsed ``args`` (the options of ``parser()``) as one JSON-ready dict."""
     device = parse_device(args.device, error)
@@ -362,10 +357,9 @@ def run(args, error) -> dict:
     if not parts or any(part not in PARTS for part in parts):
         error(f"--parts {args.parts!r}: choose from {','.join(PARTS)}")
     storages = ["full"] + [s.strip() for s in args.storages.split(",") if s.strip() not in ("", "full")]
-    unknown = [s for s in storages if s not in registered_storages()]
+    unknown = [s for s in storages if s not in REGISTERED]
     if unknown:
-        error(f"--storages {args.storages!r}: {', '.join(unknown)} not storages; choose from "
-              f"{', '.join(registered_storages())}")
+        error(f"--storages {args.storages!r}: {', '.join(unknown)} not storages; choose from {', '.join(REGISTERED)}")
     chosen = [c.strip() for c in args.caches.split(",") if c.strip()]
     if not chosen or any(c not in MODEL_CACHES for c in chosen):
         error(f"--caches {args.caches!r}: choose from {','.join(MODEL_CACHES)}")

@@ -57,7 +57,10 @@ class KiviSinkStorage(KiviStorage):
 
     def write_slice(self, start: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         super().write_slice(start, k, v, positions)
-        self._hold(k, v, positions)
+        # KIVI writes a slice through ``write`` (which holds the copies), except at the scratch
+        # slot, where a scoring policy's decode step stages its token per token.
+        if start == self.pos.shape[2] - 1:
+            self._hold(k, v, positions)
 
     def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         super().write(slots, k, v, positions)
