@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..quant.packed import CHANNEL, RESIDUAL, TOKEN, PackedKeys, PackedValues, as_float
+from ..quant.packed import CHANNEL, RESIDUAL, TOKEN, PackedKeys, PackedValues, as_float, rotated
 from ..runtime import devices
 from .visibility import visibility
 
@@ -313,6 +313,9 @@ def decode(
     present = dict(zip(blocks, _presence(k, blocks)))
     work = _work(q, k, blocks)
     plain = _plain(k) and _plain(v)
+    # The plain path reads codes itself: in rotated codes' coordinates, the query goes in rotated
+    # and the output comes out rotated back (quant/rotation.py).
+    qk = rotated(qr, k.rotation) if plain else qr
     state = _Softmax(B, H, G, D, q.device)
     kept = []
     for span in _spans(blocks, max(SPAN, SPAN_BYTES // (4 * B * Hq))):
@@ -321,13 +324,13 @@ def decode(
         for s0, s1 in span:
             if plain:
                 # One scale and zero point per token: applied to the span's scores at once.
-                scores[..., s0 - a : s1 - a] = qr @ as_float(k.codes[:, :, s0:s1], k.bits, work).transpose(-1, -2)
+                scores[..., s0 - a : s1 - a] = qk @ as_float(k.codes[:, :, s0:s1], k.bits, work).transpose(-1, -2)
             else:
                 # A decode query follows every group completion, so staged copies are never read.
                 scores[..., s0 - a : s1 - a] = _scores(k, qr, None, s0, s1, work, present[s0, s1])
         if plain:
             scale_k, zero_k = k.meta[:, :, a:b].float().unbind(-1)  # (B, H, b - a)
-            scores = scores * scale_k.unsqueeze(2) + qr.sum(-1, keepdim=True) * zero_k.unsqueeze(2)
+            scores = scores * scale_k.unsqueeze(2) + qk.sum(-1, keepdim=True) * zero_k.unsqueeze(2)
         if qs is not None and a < sink_slots:
             n = min(sink_slots, b) - a
             scores[..., :n] = _scores(k, qs, None, a, a + n)
@@ -342,7 +345,7 @@ def decode(
             out = p @ zero_v.unsqueeze(-1)  # (B, H, G, 1): the zero points, for every channel
             for s0, s1 in span:
                 out = out + scaled[..., s0 - a : s1 - a] @ as_float(v.codes[:, :, s0:s1], v.bits, work)
-            return out
+            return out if v.rotation is None else out @ v.rotation.transpose(-1, -2)
 
         state.fold(scores, mix)
         if want_mass:

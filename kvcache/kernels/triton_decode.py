@@ -10,9 +10,9 @@ raw scores are written too (G per slot), and the attention mass is normalised on
 max and sum are known. Splits are combined in PyTorch (flash-decoding), so a single row still
 spreads over many programs.
 
-Limits (``supported``): a power-of-two head_dim of at least 16, no renumbered-sink query, no
-full-precision sink tokens (quant/sinks.py) and no
-appended chunk tokens; ``kernels.decode`` sends anything else to the blocked path.
+Limits (``supported``): 2-, 4- or 8-bit codes (one plane a byte: quant/codes.py), unrotated, a power-of-two
+head_dim of at least 16, no renumbered-sink query, no full-precision sink tokens (quant/sinks.py)
+and no appended chunk tokens; ``kernels.decode`` sends anything else to the blocked path.
 """
 
 from __future__ import annotations
@@ -150,7 +150,12 @@ def supported(q: torch.Tensor, k: PackedKeys, v: PackedValues) -> bool:
     D = q.shape[-1]
     # Full-precision sinks (quant/sinks.py) are read by the blocked path only.
     plain_views = not isinstance(k, SinkKeys) and not isinstance(v, SinkValues)
-    return D >= 16 and D & (D - 1) == 0 and k.tail is None and v.tail is None and k.stage_of is None and plain_views
+    # The kernel unpacks one plane of codes per byte: widths split into planes (3, 5) are blocked.
+    one_plane = k.bits in (2, 4, 8) and v.bits in (2, 4, 8)
+    # Rotated codes (quant/rotation.py) are read by the blocked path, which rotates query and output.
+    unrotated = k.rotation is None and v.rotation is None
+    appended = k.tail is not None or v.tail is not None or k.stage_of is not None
+    return one_plane and unrotated and plain_views and not appended and D >= 16 and D & (D - 1) == 0
 
 
 def decode(q: torch.Tensor, k: PackedKeys, v: PackedValues, visible: torch.Tensor | None, *,

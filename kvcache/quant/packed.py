@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..runtime import devices
-from .codes import unpack
+from .codes import plane_bytes, unpack
 
 # Key layouts, per slot (``PackedKeys.mode``).
 CHANNEL = 0  # codes scaled per channel by the slot's group of ``group`` slots (KIVI)
@@ -99,10 +99,11 @@ class PackedValues(_Packed):
     """Values kept per token.
 
     codes: (B, H, S, Db) uint8; meta: (B, H, S, 2 * n) fp16, the scales then the zero points of
-    n groups of D / n channels per token. KIVI adds, as for its keys (``PackedKeys``): ``mode``,
-    whose RESIDUAL slots read ``residual`` (B, H, group, D) at full precision, and the staged
-    full-precision values of groups completed by the last write (``stage``, ``stage_of``,
-    ``seal_pos``).
+    n groups of D / n channels per token. ``rotation`` (B, 1, D, D) float32 or None: the codes
+    are of each value times it (quant/rotation.py), read back times its transpose. KIVI adds, as
+    for its keys (``PackedKeys``): ``mode``, whose RESIDUAL slots read ``residual`` (B, H, group,
+    D) at full precision, and the staged full-precision values of groups completed by the last
+    write (``stage``, ``stage_of``, ``seal_pos``).
     """
 
     codes: torch.Tensor
@@ -118,10 +119,11 @@ class PackedValues(_Packed):
     stage: torch.Tensor | None = None
     stage_of: torch.Tensor | None = None
     seal_pos: torch.Tensor | None = None
+    rotation: torch.Tensor | None = None
 
     def decode(self, s0: int, s1: int) -> torch.Tensor:
         """Slots [s0, s1) at the model's dtype: (B, H, s1 - s0, D)."""
-        out = _decode_tokens(self.codes[:, :, s0:s1], self.meta[:, :, s0:s1], self.bits)
+        out = _unrotated(_decode_tokens(self.codes[:, :, s0:s1], self.meta[:, :, s0:s1], self.bits), self.rotation)
         if self.mode is not None:
             res = _rows_of(self.residual, self.res_start, s0, s1).float()
             out = torch.where(self.mode[:, :, s0:s1, None] == RESIDUAL, res, out)
@@ -154,6 +156,10 @@ class PackedValues(_Packed):
         return out
 
     def _mix_codes(self, p: torch.Tensor, s0: int, s1: int, work: torch.Tensor | None) -> torch.Tensor:
+        return _unrotated(self._mix_coded(p, s0, s1, work), self.rotation)
+
+    def _mix_coded(self, p: torch.Tensor, s0: int, s1: int, work: torch.Tensor | None) -> torch.Tensor:
+        """``_mix_codes`` in the codes' own (rotated) coordinates."""
         q = as_float(self.codes[:, :, s0:s1], self.bits, work)  # (B, H, m, D)
         scale, zero = self.meta[:, :, s0:s1].float().unflatten(-1, (2, -1)).unbind(-2)  # (B, H, m, n)
         n = scale.shape[-1]
@@ -176,6 +182,8 @@ class PackedKeys(_Packed):
               key = (code * S + Z) * -meta[..., 0] (quant/codes.py ``quantize_scaled``; -1 at
               widths without one).
     mode:     (B, H, S) uint8 CHANNEL / TOKEN / RESIDUAL, or None (per-token layout).
+    rotation: (B, 1, D, D) float32 or None (per-token layout only): the codes are of each key
+              times it (quant/rotation.py); a query is rotated alike before it scores them.
     channel:  (B, H, NB, 2, D) fp16 scale and zero point of each channel over each group of
               ``group`` slots (group j covers slots [j * group, (j + 1) * group)).
     residual: (B, H, group, D) full-precision keys of each row's open group, whose slot
@@ -202,12 +210,18 @@ class PackedKeys(_Packed):
     stage: torch.Tensor | None = None
     stage_of: torch.Tensor | None = None
     seal_pos: torch.Tensor | None = None
+    rotation: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.rotation is not None and self.mode is not None:
+            raise ValueError("rotated key codes are per token: a view with key modes (KIVI) takes no rotation")
 
     def decode(self, s0: int, s1: int) -> torch.Tensor:
         """Slots [s0, s1) at the model's dtype, as a query after every completed group reads them.
         Only the layouts the slots hold are computed (a sealed block: its groups' scales alone)."""
         if self.mode is None:
-            return _decode_tokens(self.codes[:, :, s0:s1], self.meta[:, :, s0:s1], self.bits).to(self.dtype)
+            out = _decode_tokens(self.codes[:, :, s0:s1], self.meta[:, :, s0:s1], self.bits)
+            return _unrotated(out, self.rotation).to(self.dtype)
         mode = self.mode[:, :, s0:s1].unsqueeze(-1)
         B, H, m = mode.shape[:3]
         out = None
@@ -251,7 +265,7 @@ class PackedKeys(_Packed):
         each key's own scale t, q . (c * S + Z) t = ((q * S) . c + q . Z) t."""
         q_codes = as_float(self.codes[:, :, s0:s1], self.bits, work)  # (B, H, m, D)
         if self.mode is None:
-            return _token_scores(q, q_codes, self.meta[:, :, s0:s1].float())
+            return _token_scores(rotated(q, self.rotation), q_codes, self.meta[:, :, s0:s1].float())
         mode = self.mode[:, :, s0:s1].unsqueeze(2)  # (B, H, 1, m)
         has = present if present is not None else [_any(mode == m) for m in (CHANNEL, TOKEN, RESIDUAL)]
         if tuple(has) == (True, False, False):
@@ -312,13 +326,27 @@ def as_float(codes: torch.Tensor, bits: int, work: torch.Tensor | None = None) -
     if work is None:
         return unpack(codes, bits).float()
     out = work[:, :, :m, :D]
-    if bits == 8:
-        return out.copy_(codes)
-    per, mask = 8 // bits, 2**bits - 1
-    lanes = out.unflatten(-1, (Db, per))
-    for j in range(per):
-        lanes[..., j].copy_((codes >> (j * bits)) & mask)
+    for width, shift, at, n in plane_bytes(bits, D):
+        plane = codes[..., at : at + n]
+        per, mask = 8 // width, 2**width - 1
+        lanes = out.unflatten(-1, (n, per))
+        for j in range(per):
+            lane = plane if per == 1 else (plane >> (j * width)) & mask
+            if shift:
+                lanes[..., j].add_(lane, alpha=2**shift)
+            else:
+                lanes[..., j].copy_(lane)
     return out
+
+
+def rotated(x: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
+    """x (B, H, R, D) float32 in the coordinates of codes made under ``rotation`` (B, 1, D, D)."""
+    return x if rotation is None else x @ rotation
+
+
+def _unrotated(x: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:
+    """x (B, H, R, D) float32, read in rotated coordinates, back in the model's."""
+    return x if rotation is None else x @ rotation.transpose(-1, -2)
 
 
 def _any(mask: torch.Tensor) -> bool:

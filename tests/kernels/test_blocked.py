@@ -17,7 +17,7 @@ from kvcache.kernels import CHANNEL, RESIDUAL, TOKEN, PackedKeys, PackedValues, 
 
 CPU = DEVICE  # the test device (the name predates it)
 ATOL = 2e-5  # float32: scales folded into queries and weights instead of applied to the codes
-LAYOUTS = ["token8", "token4/4", "token2", "kivi4/4", "kivi2/8", "kivi8/4"]
+LAYOUTS = ["token8", "token4/4", "token2", "kivi4/4", "kivi2/8", "kivi8/4", "token5", "kivi3/4", "rtoken4/4", "rtoken3"]
 
 
 @pytest.fixture(autouse=True)

@@ -43,7 +43,7 @@ def stored(name: str, dtype: torch.dtype, per_head: bool, B=2, H=2, D=16, S=30, 
     return store
 
 
-@pytest.mark.parametrize("name", ["token8", "token4/4", "token2"])
+@pytest.mark.parametrize("name", ["token8", "token4/4", "token2", "rtoken3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rule", ["causal", "window", "per_head"])
 def test_blocks_fold_to_one_call_over_the_decoded_slots(small_blocks, name, dtype, rule):

@@ -9,7 +9,7 @@ cache's, ``make_storage(slots=...)``.)
 A policy decides which tokens stay, a storage how their bits are kept: ``make_storage`` builds
 the storage named by ``CacheSpec.storage`` (see ``STORAGES`` and ``parse_storage``), and every
 policy works with every one. The storages are the classes of this package's modules, one file each
-(full.py, token.py, kivi.py, kivis.py), found here by their ``layout`` (nothing else lists them).
+(full.py, token.py, rotated.py, kivi.py, kivis.py), found here by their ``layout`` (nothing else lists them).
 
 A storage class sets ``layout`` (the prefix of its names: ``full``, ``token8``, ``kivi4/32``),
 ``describe`` (what a name of it means, for ``kvcache.storages()``) and ``build`` (the storage
@@ -34,7 +34,7 @@ from ..base import CacheSpec
 
 
 class Storage(Protocol):
-    """What a layer cache asks of its slot buffers (``storages/``: full, token, kivi, kivis).
+    """What a layer cache asks of its slot buffers (``storages/``: full, token, rtoken, kivi, kivis).
 
     ``pos`` (B, Hp, C + 1) holds each slot's absolute position, -1 when empty, in the
     narrowest integer type that holds the positions below the ``limit`` it was built with
@@ -121,7 +121,7 @@ class Storage(Protocol):
 
 
 # The layout each plain width names: measured best at that width (docs/policies/storage.md).
-BEST = {8: "token", 4: "kivi", 2: "kivi"}
+BEST = {8: "token", 5: "kivi", 4: "kivi", 3: "kivi", 2: "kivi"}
 
 
 def _discover() -> dict[str, type]:

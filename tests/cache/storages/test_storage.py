@@ -47,7 +47,7 @@ def decoded(store, span):
 # ----- the contract: one property test over every registered storage -------------------------
 
 
-@pytest.mark.parametrize("name", ALL + ["kivi4/4", "token4/8"])
+@pytest.mark.parametrize("name", ALL + ["kivi4/4", "token4/8", "rtoken4/8"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_storage_contract(name, seed):
     """Random writes, decode-step moves and gathers on a storage, checking after each that:
@@ -210,7 +210,7 @@ def test_bytes_per_slot(name):
     kind = parse_storage(name)
     store = make_storage(spec(D=D, H=H, C=C, storage=name))
     codes = D * kind.bits // 8
-    if kind.layout == "token":
+    if kind.layout in ("token", "rtoken"):  # rtoken: the same buffers, codes of rotated vectors
         groups = D // (kind.group or D)
         per_slot = 2 * (codes + 4 * groups)
         extra = 0
@@ -262,7 +262,7 @@ def test_a_chunk_leaves_the_scratch_slot_empty(llama, policy, storage):
 # ----- quantization error ---------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("bits", [8, 5, 4, 3, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("group", [None, 8])
 def test_per_token_error_is_within_half_a_step(bits, dtype, group):
@@ -294,7 +294,7 @@ def test_per_token_error_is_within_half_a_step(bits, dtype, group):
         assert exact.float().mean() > 0.5 and torch.equal(again[exact], q[exact])
 
 
-@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("bits", [8, 5, 4, 3, 2])
 def test_per_channel_error_is_within_half_a_step(bits):
     """KIVI keys: one scale and zero point per channel over a group of tokens."""
     g = torch.Generator().manual_seed(bits)
@@ -305,7 +305,7 @@ def test_per_channel_error_is_within_half_a_step(bits):
     assert bool(((y - x).abs() <= scale.float() / 2 * (1 + 1e-3)).all())
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", [2, 3, 4, 5, 8])
 def test_scales_are_the_smallest_fp16_covering_the_range(bits):
     """Whatever rounding the device's division has (CUDA multiplies by the reciprocal of a Python
     number), the scale is the smallest fp16 whose steps cover the range, so a decoded group
@@ -673,8 +673,8 @@ def test_headwise_budgets_with_quantized_storage(llama):
 
 
 def test_names_pair_a_policy_with_a_storage(llama, capsys):
-    assert list(kvcache.storages())[:4] == ["full", "int8", "int4", "int2"]
-    assert {"kivi8", "kivi4", "kivi2", "token8", "token4", "token2"} <= set(kvcache.storages())
+    assert list(kvcache.storages())[:6] == ["full", "int8", "int5", "int4", "int3", "int2"]
+    assert {"kivi8", "kivi5", "kivi4", "kivi3", "kivi2", "token8", "token5", "token3", "token2"} <= set(kvcache.storages())
     assert "dense" in kvcache.policies() and "dense:int8" not in kvcache.policies()
     # (Long enough for 4-bit codes to pay off: a shorter "int4" cache holds full precision.)
     cache = kvcache.make_cache(llama, "h2o:int4", cache_length=256, options={"recent": 2})
@@ -692,7 +692,7 @@ def test_names_pair_a_policy_with_a_storage(llama, capsys):
 
 
 @pytest.mark.parametrize("name,message", [
-    ("h2o:int3", "unsupported bits 3; supported: 2, 4, 8"), ("dense:kivi16", "unsupported bits 16"),
+    ("h2o:int6", "unsupported bits 6; supported: 2, 3, 4, 5, 8"), ("dense:kivi16", "unsupported bits 16"),
     ("dense:", "unknown storage"), ("window:INT8", "unknown storage"), ("dense:int8:int4", "unknown storage"),
     ("dense:kivi4/0", "group size must be a positive integer"),
     ("dense:token4/5", r"a group of 5 channels must divide head_dim \(16\); valid groups: 1, 2, 4, 8, 16"),
