@@ -47,11 +47,14 @@ def _matrix(head_dim: int) -> torch.Tensor:
 
 def rotation(head_dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """The (head_dim, head_dim) float32 orthogonal matrix R: x is coded as x @ R and read back as
-    (its reading) @ R.T. One tensor per head_dim and device, shared by every caller (a plain
-    dictionary, which a compiled step reads as a constant once a storage has made it eagerly)."""
+    (its reading) @ R.T. One tensor per head_dim and device, shared by every caller, made eagerly
+    when a storage is built: a captured step reads it as a static address, like a parameter
+    (generation/compiled.py), so a CUDA graph does not copy it in on each replay."""
     key = (head_dim, torch.device(device))
     if key not in _MADE:
-        _MADE[key] = _matrix(head_dim).to(key[1])
+        made = _matrix(head_dim).to(key[1])
+        torch._dynamo.mark_static_address(made)
+        _MADE[key] = made
     return _MADE[key]
 
 

@@ -25,7 +25,7 @@ CASES = (
     [(name, {}) for name in kvcache.policies() if name != "sink"]
     + [("sink", {"sinks": 2, "positions": "absolute"}), ("sink", {"sinks": 2, "positions": "renumbered"}),
        ("dense:int8", {}), ("h2o:kivi4", {"recent": 2}), ("window:int8", {}), ("tova:kivi4", {}),
-       ("h2o:kivis4", {"recent": 2})]
+       ("h2o:kivis4", {"recent": 2}), ("h2o:rtoken4", {"recent": 2}), ("dense:kivis3", {})]
 )
 
 

@@ -161,3 +161,24 @@ def test_4_and_8_bit_keys_are_marked_and_read_as_before():
         q, scale, zero = quantize(k, bits, dim=2)
         assert torch.equal(unpack(store.k[:, :, :16], bits), q)
         assert torch.equal(store.view(16)[0].decoded(), q.float() * scale.float() + zero.float())
+
+
+def test_3_bit_keys_take_a_scale_each_in_clipped_ranges():
+    """3-bit KIVI keys are sealed as 2-bit ones are (a scale per key, a clipped range per channel,
+    its own candidates), chunk or steps alike; values stay in one group of channels."""
+    gen = torch.Generator().manual_seed(5)
+    B, H, T, D = 1, 2, 40, 16
+    k, v = _keys(gen, B, H, T, D), torch.randn(B, H, T, D, generator=gen).to(DEVICE)
+    pos = torch.arange(T, device=DEVICE).expand(B, T)
+    chunk, steps = _store("kivi3/16"), _store("kivi3/16")
+    assert chunk.key_token_scale and chunk.group == D and key_clip(3) and key_clip(3) != key_clip(2)
+    chunk.write_slice(0, k, v, pos)
+    for t in range(T):
+        steps.write_slice(t, k[:, :, t : t + 1], v[:, :, t : t + 1], pos[:, t : t + 1])
+    for name in ("k", "v", "k_meta", "v_meta", "k_channel"):
+        assert torch.equal(getattr(chunk, name), getattr(steps, name)), name
+    got = chunk.view(T)[0].decoded()
+    for g in range(2):
+        q, scale, zero, t = quantize_scaled(k[:, :, g * 16 : (g + 1) * 16], 3, clip=key_clip(3))
+        assert torch.equal(got[:, :, g * 16 : (g + 1) * 16], (q.float() * scale.float() + zero.float()) * t.float())
+    assert torch.equal(got[:, :, 32:], k[:, :, 32:])

@@ -414,8 +414,10 @@ def _run(model, name, ids, prefill, cache_length=None):
 # tokens, 2 rows, prefill 48: int8 0.017 max abs with top-1 agreement 1.0; int4 (KIVI, groups of
 # 16) 0.24 and 0.98; int2 1.2 and 0.83; token4 0.31 and 0.94. Bounds leave about a 2x margin
 # (a 4-bit step is 255 / 15 times an 8-bit one, a 2-bit step 5 times a 4-bit one).
-LOGIT_BOUND = {"int8": 0.04, "int4/16": 0.5, "token4": 0.6, "int2/16": 2.5}
-TOP1_BOUND = {"int8": 0.97, "int4/16": 0.93, "token4": 0.88, "int2/16": 0.7}
+LOGIT_BOUND = {"int8": 0.04, "int4/16": 0.5, "token4": 0.6, "int2/16": 2.5, "int5/16": 0.15, "int3/16": 0.6,
+               "rtoken4": 0.4, "rtoken3": 0.8}
+TOP1_BOUND = {"int8": 0.97, "int4/16": 0.93, "token4": 0.88, "int2/16": 0.7, "int5/16": 0.97, "int3/16": 0.88,
+              "rtoken4": 0.9, "rtoken3": 0.88}
 
 
 @pytest.mark.parametrize("storage", list(LOGIT_BOUND))
@@ -439,10 +441,11 @@ def test_quantized_logits_are_close_to_full_precision(llama, storage):
 # 8.6e-5. Bounds: about 2x the flips seen at int8 and int2; 2e-3 where no draw moved the logits
 # by more than 1e-4 (int4, token4). All far under the quantization error itself (LOGIT_BOUND),
 # which is what a chunking that read the wrong bits would add.
-FLIP_ATOL = {"int8": 0.01, "int4/8": 2e-3, "int4/4": 2e-3, "int2/8": 0.05, "token4": 2e-3}
+FLIP_ATOL = {"int8": 0.01, "int4/8": 2e-3, "int4/4": 2e-3, "int2/8": 0.05, "token4": 2e-3, "int3/8": 0.05,
+             "rtoken4": 2e-3}
 
 
-@pytest.mark.parametrize("storage", ["int8", "int4/8", "int2/8", "token4"])
+@pytest.mark.parametrize("storage", ["int8", "int4/8", "int2/8", "token4", "int3/8", "rtoken4"])
 def test_quantized_dense_does_not_depend_on_chunking(llama, storage):
     """Attention reads the stored bits as each query's position saw them (a KIVI group completed
     within a chunk is read at full precision by the chunk's earlier queries), so one chunk,
