@@ -326,17 +326,17 @@ def as_float(codes: torch.Tensor, bits: int, work: torch.Tensor | None = None) -
     if work is None:
         return unpack(codes, bits).float()
     out = work[:, :, :m, :D]
-    for width, shift, at, n in plane_bytes(bits, D):
-        plane = codes[..., at : at + n]
-        per, mask = 8 // width, 2**width - 1
-        lanes = out.unflatten(-1, (n, per))
+    parts = plane_bytes(bits, D)
+    if len(parts) == 1:
+        if bits == 8:
+            return out.copy_(codes)
+        per, mask = 8 // bits, 2**bits - 1
+        lanes = out.unflatten(-1, (Db, per))
         for j in range(per):
-            lane = plane if per == 1 else (plane >> (j * width)) & mask
-            if shift:
-                lanes[..., j].add_(lane, alpha=2**shift)
-            else:
-                lanes[..., j].copy_(lane)
-    return out
+            lanes[..., j].copy_((codes >> (j * bits)) & mask)
+        return out
+    # Split widths (quant/codes.py): their codes as bytes first, then one conversion.
+    return out.copy_(unpack(codes, bits))
 
 
 def rotated(x: torch.Tensor, rotation: torch.Tensor | None) -> torch.Tensor:

@@ -31,19 +31,21 @@ def test_planes_split_widths_that_do_not_divide_a_byte():
 
 
 def test_three_bit_rows_hold_the_low_bits_then_the_high_bit():
-    """A 3-bit row of D codes: D / 4 bytes of each code's two low bits (four a byte, the first code
-    lowest), then D / 8 bytes of its third bit (eight a byte)."""
+    """A 3-bit row of D codes: D / 4 bytes of each code's two low bits (byte i: elements i, i + D/4,
+    i + D/2, i + 3D/4, lowest first), then D / 8 bytes of its third bit (byte i: elements i + j D/8)."""
     q = torch.tensor([[5, 2, 7, 0, 1, 6, 3, 4]], dtype=torch.uint8)
     c = pack(q, 3)
     low = [int(x) & 3 for x in q[0]]
     high = [int(x) >> 2 for x in q[0]]
-    want = [sum(low[j] << (2 * j) for j in range(4)), sum(low[4 + j] << (2 * j) for j in range(4)),
+    want = [sum(low[2 * j] << (2 * j) for j in range(4)), sum(low[2 * j + 1] << (2 * j) for j in range(4)),
             sum(high[j] << j for j in range(8))]
     assert c.tolist() == [want]
 
 
 def test_five_bit_rows_hold_nibbles_then_the_fifth_bit():
-    q = torch.arange(32, dtype=torch.uint8)[None].repeat(2, 1)[:, :16] * 2 + 1  # odd codes 1..31
+    q = torch.arange(1, 33, 2, dtype=torch.uint8)[None].repeat(2, 1)  # 16 odd codes, 1..31
     c = pack(q, 5)
     assert c.shape == (2, 10)
-    assert torch.equal(c[:, :8], pack(q & 15, 4)) and torch.equal(c[:, 8:], pack(q >> 4, 1))
+    low, high = q & 15, q >> 4
+    assert torch.equal(c[:, :8], low[:, :8] | (low[:, 8:] << 4))
+    assert torch.equal(c[:, 8:], sum(high[:, 2 * j : 2 * j + 2] << j for j in range(8)).to(torch.uint8))
