@@ -24,9 +24,10 @@ widths are split into bit planes of those widths (``planes``: 3 = 2 + 1, 5 = 4 +
 other along the row, each of n bytes holding element ``j * n + i`` in lane j of byte i: a 3-bit
 row of D codes is D / 4 bytes of each code's low two bits (byte i: elements i, i + D/4, i + D/2,
 i + 3D/4), then D / 8 bytes of its third bit. Each lane of a plane is then a contiguous run of
-the row, so a plane reads back as machine words, eight codes per shift and mask (``unpack``); the
-8-, 4- and 2-bit layout stays interleaved, as the Triton kernel and stored prefixes read it. A row fills whole bytes when D * bits is a multiple of 8, which then
-holds for every plane too.
+the row, so a plane reads back as machine words, up to eight codes per shift and mask
+(``unpack``); the 8-, 4- and 2-bit layout stays interleaved, as the Triton kernel and stored
+prefixes read it. A row fills whole bytes when D * bits is a multiple of 8, which then holds for
+every plane too.
 """
 
 from __future__ import annotations
@@ -134,23 +135,23 @@ def unpack(c: torch.Tensor, bits: int) -> torch.Tensor:
     if len(parts) == 1:
         return _unpack_plane(c, bits)
     # One word size for every plane: the largest that divides each plane's bytes.
-    word = next(t for size, t in _WORDS if all(n % size == 0 for *_, n in parts))
+    size, word = next((size, t) for size, t in _WORDS if all(n % size == 0 for *_, n in parts))
     out = None
     for width, shift, at, n in parts:
-        lanes = _plane_lanes(c[..., at : at + n], width, word)
+        lanes = _plane_lanes(c[..., at : at + n], width, size, word)
         if shift:
             lanes = lanes << shift
         out = lanes if out is None else out.bitwise_or_(lanes)
     return out.view(torch.uint8)
 
 
-def _plane_lanes(plane: torch.Tensor, width: int, word: torch.dtype) -> torch.Tensor:
-    """A split width's plane (..., n) uint8 -> its codes (..., D) as ``word``s (view them as uint8).
+def _plane_lanes(plane: torch.Tensor, width: int, size: int, word: torch.dtype) -> torch.Tensor:
+    """A split width's plane (..., n) uint8 -> its codes (..., D) as ``word``s of ``size`` bytes
+    (view them as uint8).
     Each lane is a contiguous run of the row, so one shift and mask of the plane, read as words,
     extracts a lane of several bytes at once, and one broadcast extracts them all: a handful of
     operations a block, where lane by lane over bytes took a dozen strided ones (2-3x the time)."""
-    size = torch.empty((), dtype=word).element_size()
-    mask = int.from_bytes(bytes([levels(width)]) * size, "little")
+    mask = levels(width) * ((1 << (8 * size)) - 1) // 255  # the width's mask in every byte
     shifts = torch.arange(0, 8, width, dtype=word, device=plane.device)[:, None]  # (lanes, 1)
     # A fresh copy: a slice's offset need not be a whole number of words.
     words = plane.clone(memory_format=torch.contiguous_format).view(word).unsqueeze(-2)  # (..., 1, n / size)

@@ -60,7 +60,7 @@ def test_options_given_apart_join_the_name_once():
     ("h2o(recent=8", "not a cache name"),
     ("h2o(recent)", "not option=value"),
     ("h2o(recent=1,recent=2)", "given twice"),
-    ("h2o:int5", "h2o:int5"),
+    ("h2o:int6", "h2o:int6"),
     (3, "a string"),
 ])
 def test_a_bad_name_says_what_is_wrong(text, message):

@@ -99,8 +99,8 @@ def test_bad_flags_are_clear_errors(tmp_path, capsys, flags, message):
     # passkey: the misspelled policy comes after two that would run
     (["--policies", "dense,sink,h20", "--lengths", "512,1024", "--budgets", "0.25,0.5", "--trials", "2"],
      "--policies: unknown policy\\(ies\\) h20; available: "),
-    (["--policies", "dense,h2o:int5"], "unknown storage 'int5'"),
-    (["--policies", "h20,h2o:int3"], "unknown policy\\(ies\\) h20.*unknown storage 'int3'"),
+    (["--policies", "dense,h2o:int6"], "unknown storage 'int6'"),
+    (["--policies", "h20,h2o:int7"], "unknown policy\\(ies\\) h20.*unknown storage 'int7'"),
     # a storage this model's head size cannot hold: found after loading, still before any cell
     (["--policies", "dense,h2o:token4/7"], "--policies h2o:token4/7: .*must divide head_dim"),
     (["--benchmark", "ruler", "--policies", "dense,window,h20", "--lengths", "512"], "unknown policy\\(ies\\) h20"),

@@ -136,7 +136,7 @@ def test_row_operations_are_refused():
 def test_storage_and_options_are_kvcaches():
     model = build("llama")
     with pytest.raises(ValueError, match="unknown storage"):
-        kvcache.hf.make_cache(model, "h2o:int3", cache_length=8)
+        kvcache.hf.make_cache(model, "h2o:int6", cache_length=8)
     with pytest.raises(ValueError, match="unknown policy"):
         kvcache.hf.make_cache(model, "lru", cache_length=8)
     cache = kvcache.hf.make_cache(model, "h2o:int4", cache_length=8, options={"recent": 2})

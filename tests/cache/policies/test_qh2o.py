@@ -91,7 +91,7 @@ def test_rank_scale_spreads_a_heavy_tailed_score():
     assert QH2OCache(spec, QH2OOptions(recent=2, scale="rank")).options.scale == "rank"
 
 
-@pytest.mark.parametrize("options,message", [({"weight": 1.5}, "weight must lie in"), ({"bits": 3}, "bits"),
+@pytest.mark.parametrize("options,message", [({"weight": 1.5}, "weight must lie in"), ({"bits": 6}, "bits"),
                                              ({"scale": "log"}, "minmax, rank")])
 def test_bad_options(tiny, options, message):
     with pytest.raises(ValueError, match=message):
