@@ -2,8 +2,9 @@
 of ``group`` consecutive slots (default 64), which share one scale and zero point per channel.
 Keys have a few large fixed-sign channels (after RoPE), which per-token scales spend their
 levels on; per-channel scales do not. The newest tokens of a group that is not yet full stay at
-full precision (the residual) until the group fills. At 2 bits each per-channel key also has a
-scale of its own (quant/codes.py ``quantize_scaled``) and values are in 4 groups of channels.
+full precision (the residual) until the group fills. At 2 and 3 bits each per-channel key also
+has a scale of its own (quant/codes.py ``quantize_scaled``); at 2 bits values are in 4 groups of
+channels.
 
 Per-channel groups under eviction (``KiviStorage``): a group's scales are set once, when every
 slot of the group has received a token in slot order (dense and ring caches, and scoring caches
