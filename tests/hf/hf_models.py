@@ -44,10 +44,15 @@ def _other_config(name: str):
         return transformers.Gemma2Config(**_COMMON, head_dim=16, attn_logit_softcapping=None,
                                          final_logit_softcapping=None, tie_word_embeddings=True)
     if name == "falcon":
-        # Rotary, but its attention is computed in the module, outside the AttentionInterface.
+        # Rotary; its attention went through the AttentionInterface from transformers 5.25 on.
         return transformers.FalconConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2,
                                          num_attention_heads=4, new_decoder_architecture=False, multi_query=True,
                                          alibi=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if name == "gpt_neox_japanese":
+        # Rotary, but its attention is computed in the module, outside the AttentionInterface.
+        return transformers.GPTNeoXJapaneseConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2,
+                                                  num_attention_heads=4, intermediate_multiple_size=2,
+                                                  bos_token_id=1, eos_token_id=2)
     raise KeyError(name)
 
 

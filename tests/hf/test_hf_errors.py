@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 from conftest import CACHE_ATOL, DEVICE, max_diff, random_ids
 from hf_models import build, greedy, left_pad
+from packaging.version import Version
 
 import kvcache
 import kvcache.hf
@@ -26,10 +28,27 @@ def test_supported_transformers_version(version):
 
 
 def test_model_whose_attention_bypasses_the_interface():
-    model = build("falcon")
+    model = build("gpt_neox_japanese")
     with pytest.raises(kvcache.hf.UnsupportedModelError, match="does not go through transformers' AttentionInterface"):
         kvcache.hf.make_cache(model, "dense", cache_length=8)
     assert model.config._attn_implementation == "eager"
+
+
+def test_falcon_is_refused_until_its_attention_goes_through_the_interface():
+    """Falcon computed its attention in the module before transformers 5.25 and calls the
+    registered function since: the same model is refused on one side and exact on the other."""
+    model = build("falcon")
+    ids = random_ids(12, seed=3)
+    if Version(transformers.__version__) < Version("5.25.0"):
+        with pytest.raises(kvcache.hf.UnsupportedModelError, match="does not go through"):
+            kvcache.hf.make_cache(model, "dense", cache_length=8)
+        assert model.config._attn_implementation == "eager"
+        return
+    want_ids, want_logits = greedy(build("falcon"), ids, 8)
+    cache = kvcache.hf.make_cache(model, "dense", cache_length=20)
+    got_ids, got_logits = greedy(model, ids, 8, cache)
+    assert torch.equal(got_ids, want_ids)
+    assert max_diff(got_logits, want_logits) <= CACHE_ATOL[torch.float32]
 
 
 def test_a_cache_made_for_other_soft_caps_is_refused():
