@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..quant.codes import KERNEL_BITS
 from ..quant.packed import PackedKeys, PackedValues
 from ..quant.sinks import SinkKeys, SinkValues
 
@@ -151,7 +152,7 @@ def supported(q: torch.Tensor, k: PackedKeys, v: PackedValues) -> bool:
     # Full-precision sinks (quant/sinks.py) are read by the blocked path only.
     plain_views = not isinstance(k, SinkKeys) and not isinstance(v, SinkValues)
     # The kernel unpacks one plane of codes per byte: widths split into planes (3, 5) are blocked.
-    one_plane = k.bits in (2, 4, 8) and v.bits in (2, 4, 8)
+    one_plane = k.bits in KERNEL_BITS and v.bits in KERNEL_BITS
     # Rotated codes (quant/rotation.py) are read by the blocked path, which rotates query and output.
     unrotated = k.rotation is None and v.rotation is None
     appended = k.tail is not None or v.tail is not None or k.stage_of is not None

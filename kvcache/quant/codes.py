@@ -35,6 +35,9 @@ from __future__ import annotations
 import torch
 
 BITS = (2, 3, 4, 5, 8)
+# Widths the CUDA decode kernel (kernels/triton_decode.py) reads: one plane of codes per byte.
+# The split widths (3, 5) are attended by the blocked path everywhere.
+KERNEL_BITS = (2, 4, 8)
 FP16_MAX = 65504.0
 # Clipped-range candidates for per-channel key groups (KIVI; fraction of the range cut off below,
 # above) per code width; min-max, (0, 0), is always tried first. Widths not listed, keys per token

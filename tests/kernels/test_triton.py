@@ -115,3 +115,16 @@ def test_the_blocked_path_takes_what_the_kernel_does_not():
     store12 = filled("token4", D=12)
     k12, v12, _ = store12.view(25)
     assert not triton_decode.supported(zeros(2, 4, 1, 12), k12, v12)
+
+
+@pytest.mark.parametrize("name", [s for s in kvcache.storages() if s != "full"])
+def test_a_storage_says_when_cuda_decode_takes_the_blocked_kernel(name):
+    """The listing of storages names the blocked kernel exactly where the Triton kernel refuses
+    the storage's views (the split widths, sinks, rotated codes)."""
+    from kvcache.cache.storages import STORAGES, parse_storage
+
+    kind = parse_storage(name)
+    store = filled(f"{kind.layout}{kind.bits}")
+    k, v, _ = store.view(25)
+    q = torch.zeros(2, 4, 1, 16, device=DEVICE)
+    assert ("takes the blocked kernel" in STORAGES[name]) == (not triton_decode.supported(q, k, v))

@@ -29,7 +29,7 @@ from typing import Protocol
 
 import torch
 
-from ...quant.codes import BITS
+from ...quant.codes import BITS, KERNEL_BITS
 from ..base import CacheSpec
 
 
@@ -137,6 +137,14 @@ def _discover() -> dict[str, type]:
     return found
 
 
+def _kernel_note(cls: type, bits: int) -> str:
+    """What a storage's description says of the kernel a CUDA decode step uses, where it is not
+    the Triton kernel."""
+    why = cls.blocked_because or (None if bits in KERNEL_BITS else f"it reads {'/'.join(map(str, KERNEL_BITS))}-bit codes, "
+                                  f"one plane per byte, and {bits}-bit codes are split into two")
+    return f". On CUDA a decode step over it takes the blocked kernel, not the Triton one: {why}" if why else ""
+
+
 LAYOUTS: dict[str, type] = _discover()
 # Quantized layouts: names carry their width (``token8``, ``kivi4/32``).
 _QUANTIZED = sorted(name for name, cls in LAYOUTS.items() if cls.packed)
@@ -144,8 +152,9 @@ _QUANTIZED = sorted(name for name, cls in LAYOUTS.items() if cls.packed)
 STORAGES = {
     "full": LAYOUTS["full"].describe(16),
     **{f"int{b}": f"{b}-bit codes in the layout of the best quality at {b} bits ({BEST[b]}{b})"
-       for b in sorted(BITS, reverse=True)},
-    **{f"{layout}{b}": LAYOUTS[layout].describe(b) for layout in _QUANTIZED for b in sorted(BITS, reverse=True)},
+       + _kernel_note(LAYOUTS[BEST[b]], b) for b in sorted(BITS, reverse=True)},
+    **{f"{layout}{b}": LAYOUTS[layout].describe(b) + _kernel_note(LAYOUTS[layout], b)
+       for layout in _QUANTIZED for b in sorted(BITS, reverse=True)},
 }
 
 _NAME = re.compile(r"([a-z]+)(\d+)?(?:/(\d+))?")

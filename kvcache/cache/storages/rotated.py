@@ -31,6 +31,7 @@ class RotatedTokenStorage(TokenStorage):
     shapes and bytes as ``TokenStorage``'s (the rotation is a constant of head_dim, not state)."""
 
     layout = "rtoken"
+    blocked_because = "it does not rotate the query and the output"
 
     @staticmethod
     def describe(bits: int) -> str:

@@ -36,6 +36,9 @@ class TokenStorage:
     keeps_in_place = False
     # Every buffer is laid out per slot, so more slots can be added (``grow``).
     grows = True
+    # Why a CUDA decode step over this layout takes the blocked path instead of the Triton kernel
+    # at every width (None: the kernel reads it at the widths in ``KERNEL_BITS``).
+    blocked_because: str | None = None
 
     @staticmethod
     def describe(bits: int) -> str:
