@@ -153,7 +153,7 @@ def _words(x: torch.Tensor, word: torch.dtype) -> torch.Tensor:
     whole words (and when compiling: the compiler fuses the copy, and cannot trace the offset)."""
     size = torch.iinfo(word).bits // 8
     aligned = not torch.compiler.is_compiling() and x.stride(-1) == 1 and x.storage_offset() % size == 0 and all(
-        s % size == 0 for s, n in zip(x.stride()[:-1], x.shape[:-1]) if n > 1)
+        s % size == 0 for s in x.stride()[:-1])
     return (x if aligned else x.clone(memory_format=torch.contiguous_format)).view(word)
 
 

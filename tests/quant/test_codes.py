@@ -49,3 +49,18 @@ def test_five_bit_rows_hold_nibbles_then_the_fifth_bit():
     low, high = q & 15, q >> 4
     assert torch.equal(c[:, :8], low[:, :8] | (low[:, 8:] << 4))
     assert torch.equal(c[:, 8:], sum(high[:, 2 * j : 2 * j + 2] << j for j in range(8)).to(torch.uint8))
+
+
+@pytest.mark.parametrize("bits", [3, 5])
+def test_unpack_reads_any_strides(bits):
+    """A block of rows sliced anywhere (odd offsets, a size-1 dimension of odd stride) unpacks as
+    its contiguous copy does."""
+    gen = torch.Generator().manual_seed(4)
+    D = 32
+    rows = torch.randint(0, 2**bits, (3, 7, D), generator=gen).to(torch.uint8)
+    packed = pack(rows, bits)
+    Db = packed.shape[-1]
+    flat = torch.cat([torch.zeros(3, dtype=torch.uint8), packed.flatten()])
+    odd = torch.as_strided(flat, (3, 1, 7, Db), (7 * Db, 3, Db, 1), 3)  # offset 3: not a whole word
+    assert torch.equal(unpack(odd, bits), rows.unsqueeze(1))
+    assert torch.equal(unpack(packed[:, 2:5], bits), rows[:, 2:5])
